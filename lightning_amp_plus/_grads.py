@@ -1,0 +1,129 @@
+"""Passes over gradient lists: unscale, measure (non-finite check and L2 norm in one), clip.
+
+No Lightning here, and none of torch's private ``torch._amp_*`` kernels. The design goal is to touch gradient memory
+as few times as possible:
+
+* ``unscale_and_measure_`` multiplies each gradient by the inverse scale and takes its squared L2 norm right after,
+  tensor by tensor on CPU, so the norm reads memory the multiply just left in cache. The norm is of the *unscaled*
+  values, so the overflow check holds after unscaling (an fp16 gradient that overflows when multiplied by an inverse
+  scale above 1 is caught), and a non-finite value anywhere makes the norm non-finite. On CUDA the same two steps run as
+  two multi-tensor (``_foreach``) kernels per dtype, which is what the hardware prefers.
+* The global norm from that pass serves the skip decision, gradient clipping and monitoring alike; clipping multiplies
+  only when the norm is over the limit (``torch.nn.utils.clip_grad_norm_`` always multiplies).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = ["clip_by_norm_", "squared_norms", "unscale_and_measure_"]
+
+# Squared norms are accumulated in float32 whatever the gradient dtype, so fp16 gradients do not overflow the sum.
+_NORM_DTYPE = torch.float32
+
+
+def _squared_norm(grad: Tensor) -> Tensor:
+    flat = grad.reshape(-1)
+    if flat.dtype == _NORM_DTYPE:
+        # A dot product is the fastest full read of float32 memory on CPU (BLAS), faster than vector_norm.
+        return torch.dot(flat, flat)
+    squared: Tensor = torch.linalg.vector_norm(flat, dtype=_NORM_DTYPE).square()
+    return squared
+
+
+def _check_dense(grads: Sequence[Tensor]) -> None:
+    for index, grad in enumerate(grads):
+        if grad.is_sparse:
+            raise TypeError(
+                f"Gradient #{index} (shape {tuple(grad.shape)}) is sparse: lightning-amp-plus unscales dense gradients "
+                "only. Use a dense layer (e.g. `nn.Embedding(..., sparse=False)`)."
+            )
+
+
+def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: Tensor | None, out_device: torch.device) -> Tensor:
+    """Multiply ``grads`` in place by ``inv_scale`` and return each one's squared L2 norm, measured after the multiply.
+
+    Args:
+        grads: the gradients, dense, of any floating dtype, on any devices.
+        inv_scale: a 0-d float32 tensor holding ``1 / scale``, or ``None`` to measure only (scale 1).
+        out_device: where the returned tensor lives (the scaler's device).
+
+    Returns:
+        A 1-D float32 tensor with one squared norm per gradient, in the order given. An entry is ``inf`` or ``nan``
+        when that gradient holds a non-finite value (or its norm exceeds the float32 range, about 1.8e19).
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])]
+        >>> unscale_and_measure_(g, torch.tensor(0.5), torch.device("cpu"))
+        tensor([6.2500,    inf])
+        >>> g[0]
+        tensor([1.5000, 2.0000])
+    """
+    if not grads:
+        return torch.zeros(0, dtype=_NORM_DTYPE, device=out_device)
+    _check_dense(grads)
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for index, grad in enumerate(grads):
+        groups[(grad.device, grad.dtype)].append(index)
+    pieces: list[tuple[list[int], Tensor]] = []
+    for (device, _dtype), indices in groups.items():
+        group = [grads[i] for i in indices]
+        inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
+        if device.type == "cpu":
+            norms = []
+            for grad in group:
+                if inv is not None:
+                    grad.mul_(inv)
+                norms.append(_squared_norm(grad))
+            squared = torch.stack(norms)
+        else:
+            if inv is not None:
+                torch._foreach_mul_(group, inv)
+            squared = torch.stack(torch._foreach_norm(group, 2, dtype=_NORM_DTYPE)).square()
+        pieces.append((indices, squared.to(out_device, non_blocking=True)))
+    if len(pieces) == 1:
+        return pieces[0][1]
+    result = torch.empty(len(grads), dtype=_NORM_DTYPE, device=out_device)
+    for indices, squared in pieces:
+        result[torch.tensor(indices, device=out_device)] = squared
+    return result
+
+
+def squared_norms(grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
+    """Squared L2 norm of each gradient, without modifying any (``unscale_and_measure_`` with a scale of 1)."""
+    return unscale_and_measure_(grads, None, out_device)
+
+
+def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, eps: float = 1e-6) -> float:
+    """Scale ``grads`` so their global norm is at most ``max_norm``, given the norm already measured.
+
+    Uses the coefficient of ``torch.nn.utils.clip_grad_norm_`` (``max_norm / (total_norm + eps)``) but multiplies only
+    when it is below 1, which saves a read and a write of every gradient on the common step where nothing is clipped.
+
+    Args:
+        grads: the (unscaled) gradients.
+        total_norm: their global L2 norm, finite.
+        max_norm: the limit.
+        eps: added to the norm as torch does, for the same numbers.
+
+    Returns:
+        The coefficient applied (1.0 when nothing was clipped).
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> round(clip_by_norm_(g, 5.0, 1.0), 4), g[0]
+        (0.2, tensor([0.6000, 0.8000]))
+    """
+    coef = max_norm / (total_norm + eps)
+    if coef >= 1.0 or not grads:
+        return 1.0
+    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
+    for grad in grads:
+        by_device[grad.device].append(grad)
+    for group in by_device.values():
+        torch._foreach_mul_(group, coef)
+    return coef

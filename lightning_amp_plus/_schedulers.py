@@ -1,0 +1,77 @@
+"""Hold learning-rate schedulers still while their optimizer's steps are being skipped.
+
+Lightning steps schedulers after every optimizer step, skipped or not, so a run that skips steps drifts along its LR
+schedule (Lightning #5558, #16228, #18828; PyTorch warns "lr_scheduler.step() before optimizer.step()"). A held
+scheduler's ``step()`` is a no-op when every optimizer step since its last step was skipped.
+
+The hold is installed by giving each scheduler instance a subclass of its own class whose ``step`` consults a
+``StepLedger``. Nothing is added to the instance's ``__dict__``, so ``scheduler.state_dict()`` and checkpoints are
+unchanged, ``isinstance`` checks still pass, and ``release`` restores the original class.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+__all__ = ["StepLedger", "hold", "release"]
+
+
+class StepLedger:
+    """Counts, per optimizer, the steps called and the steps applied; and per scheduler, what it last saw."""
+
+    def __init__(self) -> None:
+        self._counts: dict[int, tuple[int, int]] = {}
+        self._seen: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
+        self.held_steps = 0
+
+    def record(self, optimizer: object, applied: bool) -> None:
+        """Note one step of ``optimizer``, applied or skipped."""
+        called, done = self._counts.get(id(optimizer), (0, 0))
+        self._counts[id(optimizer)] = (called + 1, done + int(applied))
+
+    def should_hold(self, scheduler: Any) -> bool:
+        """True when ``scheduler``'s optimizer stepped since the scheduler's last step and every such step was skipped.
+
+        Records the scheduler's view either way, so each optimizer step is judged once.
+        """
+        now = self._counts.get(id(scheduler.optimizer), (0, 0))
+        called, done = self._seen.get(scheduler, (0, 0))
+        self._seen[scheduler] = now
+        held = now[0] > called and now[1] == done
+        self.held_steps += int(held)
+        return held
+
+
+_HELD_CLASSES: dict[tuple[type, int], type] = {}
+# Strong references to the ledgers that held classes use, so an id is never reused while its class is cached.
+_LEDGERS: dict[int, StepLedger] = {}
+
+
+def _held_class(cls: type, ledger: StepLedger) -> type:
+    key = (cls, id(ledger))
+    if key not in _HELD_CLASSES:
+        original_step = getattr(cls, "step")  # noqa: B009 (mypy cannot see `step` on a bare `type`)
+
+        def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if ledger.should_hold(self):
+                return None
+            return original_step(self, *args, **kwargs)
+
+        held = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__, "_amp_plus_held_from": cls})
+        _HELD_CLASSES[key] = held
+        _LEDGERS[id(ledger)] = ledger
+    return _HELD_CLASSES[key]
+
+
+def hold(scheduler: Any, ledger: StepLedger) -> None:
+    """Make ``scheduler.step()`` consult ``ledger`` (idempotent)."""
+    cls = getattr(type(scheduler), "_amp_plus_held_from", type(scheduler))
+    scheduler.__class__ = _held_class(cls, ledger)
+
+
+def release(scheduler: Any) -> None:
+    """Undo :func:`hold`."""
+    original = getattr(type(scheduler), "_amp_plus_held_from", None)
+    if original is not None:
+        scheduler.__class__ = original
