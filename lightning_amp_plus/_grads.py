@@ -14,6 +14,7 @@ as few times as possible:
 
 from __future__ import annotations
 
+import struct
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -24,6 +25,13 @@ __all__ = ["clip_by_norm_", "squared_norms", "unscale_and_measure_"]
 
 # Squared norms are accumulated in float32 whatever the gradient dtype, so fp16 gradients do not overflow the sum.
 _NORM_DTYPE = torch.float32
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _f32(value: float) -> float:
+    """Round a Python float to the nearest float32."""
+    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
+    return rounded
 
 
 def _squared_norm(grad: Tensor) -> Tensor:
@@ -118,8 +126,13 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
         >>> round(clip_by_norm_(g, 5.0, 1.0), 4), g[0]
         (0.2, tensor([0.6000, 0.8000]))
     """
-    coef = max_norm / (total_norm + eps)
-    if coef >= 1.0 or not grads:
+    if not grads or max_norm >= _FLOAT32_MAX:
+        return 1.0
+    # torch computes `max_norm / (norm + eps)` on a float32 tensor, i.e. reciprocal(norm + eps) * max_norm, each
+    # rounded to float32. Done here in Python floats with the same roundings (exact: float64 holds every float32
+    # sum, product and quotient before rounding), the coefficient is bit-identical without touching a tensor.
+    coef = _f32(_f32(1.0 / _f32(_f32(total_norm) + _f32(eps))) * _f32(max_norm))
+    if coef >= 1.0:
         return 1.0
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
     for grad in grads:

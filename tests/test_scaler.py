@@ -1,0 +1,395 @@
+"""DynamicLossScaler in a plain PyTorch loop: parity with torch.amp.GradScaler, the floor, limits, state, syncs."""
+
+from __future__ import annotations
+
+import copy
+import io
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_amp_plus import DynamicLossScaler
+
+INF_STEPS = {5, 6, 40, 41, 42, 43, 120, 199}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+
+def batches(n: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    for step in range(n):
+        x = torch.randn(4, 8, generator=gen)
+        yield step, x, x.sum(1, keepdim=True)
+
+
+def loss_at(model: nn.Module, step: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+    return loss * float("inf") if step in INF_STEPS else loss
+
+
+def train(
+    scaler: Any, steps: int = 200, clip: float | None = None, opt_cls: type = torch.optim.Adam
+) -> tuple[list[float], nn.Module]:
+    model = make_model()
+    opt = opt_cls(model.parameters(), lr=1e-2)
+    scales = []
+    for step, x, y in batches(steps):
+        opt.zero_grad()
+        scaler.scale(loss_at(model, step, x, y)).backward()
+        scaler.unscale_(opt)
+        if clip is not None:
+            if isinstance(scaler, DynamicLossScaler):
+                scaler.clip_grad_norm_(opt, clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, model
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module, **tol: float) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, msg=lambda m, name=name: f"{name}: {m}", **tol)
+
+
+# ------------------------------------------------------------------------------------------------------------ parity
+def test_parity_with_grad_scaler_over_200_fp16_steps_with_injected_overflows() -> None:
+    ours, model_ours = train(DynamicLossScaler(growth_interval=10))
+    torchs, model_torch = train(torch.amp.GradScaler("cpu", growth_interval=10))
+    assert ours == torchs
+    assert min(ours) < 2.0**16 < max(ours)  # the run both grew and backed off
+    # Same unscale (multiply by the same power-of-two inverse), same skip decisions, same Adam: bit-identical.
+    assert_same_parameters(model_ours, model_torch, rtol=0, atol=0)
+
+
+def test_parity_with_grad_scaler_and_clip_grad_norm() -> None:
+    ours, model_ours = train(DynamicLossScaler(growth_interval=10), clip=0.5)
+    torchs, model_torch = train(torch.amp.GradScaler("cpu", growth_interval=10), clip=0.5)
+    assert ours == torchs
+    # Our global norm sums per-tensor float32 dot products, torch's takes a norm of per-tensor norms: the clip
+    # coefficients differ in the last float32 bits (~1e-7 relative), which 200 Adam steps carry to ~1e-5.
+    assert_same_parameters(model_ours, model_torch, rtol=1e-4, atol=1e-5)
+
+
+def test_last_grad_norm_is_the_unscaled_norm_clip_grad_norm_reports() -> None:
+    model = make_model()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    _, x, y = next(batches(1))
+    scaler.scale(loss_at(model, 0, x, y)).backward()
+    norm = scaler.clip_grad_norm_(opt, 1e9)
+    loss_at(reference, 0, x, y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    # fp16 autocast: gradients of the scaled and unscaled loss differ by fp16 rounding of intermediate values.
+    torch.testing.assert_close(torch.tensor(norm), expected, rtol=1e-3, atol=0)
+    assert scaler.last_grad_norm == norm == scaler.grad_norm(opt)
+
+
+# ----------------------------------------------------------------------------------------------- floor and limits
+def test_scale_never_reaches_zero_so_parameters_stay_finite_where_grad_scaler_produces_nan() -> None:
+    def run(scaler: Any) -> tuple[float, torch.Tensor]:
+        weight = nn.Parameter(torch.ones(4))
+        opt = torch.optim.SGD([weight], lr=0.1)
+        for step in range(230):
+            loss = (weight * 2).sum() * (float("inf") if step < 200 else 1.0)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return scaler.get_scale(), weight.detach()
+
+    torch_scale, torch_weight = run(torch.amp.GradScaler("cpu"))
+    assert torch_scale == 0.0 and torch_weight.isnan().all()  # the hole, reproduced
+    our_scale, our_weight = run(DynamicLossScaler(max_consecutive_skips=None))
+    assert our_scale == 1.0
+    # 30 clean SGD steps of lr * grad = 0.1 * 2 each, from 1.0: exact in float32 up to rounding of 0.2 steps.
+    torch.testing.assert_close(our_weight, torch.full((4,), 1.0 - 30 * 0.2), rtol=1e-5, atol=1e-5)
+
+
+def test_skip_limit_raises_a_diagnosis_naming_parameters_scale_and_skips() -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=4.0, max_consecutive_skips=3)
+    scaler.set_parameter_names(model)
+    x = torch.randn(2, 8)
+    with pytest.raises(FloatingPointError) as info:
+        for _ in range(10):
+            opt.zero_grad()
+            model(x).sum().backward()
+            model[2].weight.grad[0, 0] = float("nan")
+            scaler.step(opt)
+            scaler.update()
+    message = str(info.value)
+    # 4 -> 2 -> 1 (two skips above the floor), then three at the floor: five skipped in all.
+    assert "3 optimizer steps in a row" in message and "5 skipped in all" in message
+    assert "2.weight" in message and "0.weight" not in message
+    assert "min_scale=1" in message and "max_consecutive_skips" in message
+    assert scaler.skipped_steps == 5 and scaler.last_overflow_params == ["2.weight"]
+
+
+def test_unnamed_parameters_are_called_by_their_place_in_the_optimizer() -> None:
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1)
+    scaler = DynamicLossScaler()
+    (a.sum() + b.sum()).backward()
+    b.grad[1] = float("inf")
+    assert scaler.step(opt) is None
+    assert scaler.last_overflow_params == ["param_groups[1][0]"]
+
+
+def test_a_skipped_step_leaves_parameters_and_optimizer_state_untouched() -> None:
+    model = make_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    x = torch.randn(2, 8)
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    params = copy.deepcopy(model.state_dict())
+    state = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    scaler.scale(model(x).sum() * float("inf")).backward()
+    assert scaler.step(opt) is None and scaler.last_step_skipped
+    scaler.update()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, params[key]), key
+    for index, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, state["state"][index][key]), (index, key)
+    assert scaler.skipped_steps == 1 and scaler.consecutive_skips == 1
+
+
+def test_hysteresis_skips_every_overflow_but_backs_off_only_when_used_up() -> None:
+    w = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=8.0, hysteresis=2)
+    scales = []
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(w.sum() * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    assert scales == [8.0, 4.0, 2.0] and scaler.skipped_steps == 3
+
+
+# ------------------------------------------------------------------------------------------------------ call rules
+def test_unscale_twice_unscales_once() -> None:
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = DynamicLossScaler(init_scale=8.0)
+    scaler.scale(w.sum()).backward()
+    scaler.unscale_(opt)
+    scaler.unscale_(opt)
+    assert w.grad.tolist() == [1.0, 1.0]
+
+
+def test_step_twice_before_update_is_an_error() -> None:
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    scaler = DynamicLossScaler()
+    scaler.scale(w.sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match="update"):
+        scaler.step(opt)
+
+
+def test_step_with_a_closure_is_refused() -> None:
+    w = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="closure"):
+        DynamicLossScaler().step(torch.optim.SGD([w], lr=0.1), closure=lambda: None)
+
+
+def test_scale_accepts_lists_and_tuples_and_refuses_other_types() -> None:
+    scaler = DynamicLossScaler(init_scale=2.0)
+    assert [t.item() for t in scaler.scale([torch.tensor(1.0), torch.tensor(3.0)])] == [2.0, 6.0]
+    assert isinstance(scaler.scale((torch.tensor(1.0),)), tuple)
+    with pytest.raises(TypeError, match="outputs"):
+        scaler.scale(1.0)  # type: ignore[arg-type]
+
+
+def test_update_with_a_new_scale_sets_it_within_the_bounds() -> None:
+    scaler = DynamicLossScaler(max_scale=2.0**20)
+    scaler.update(new_scale=2.0**30)
+    assert scaler.get_scale() == 2.0**20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": float("inf")}, "init_scale"),
+        ({"init_scale": 2.0**30}, "init_scale"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+        ({"backoff_factor": 1.5}, "backoff_factor"),
+        ({"backoff_factor": 0.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+        ({"growth_interval": 2.5}, "growth_interval"),
+        ({"hysteresis": 0}, "hysteresis"),
+        ({"min_scale": 0.0}, "min_scale"),
+        ({"min_scale": 1e-45}, "min_scale"),
+        ({"max_scale": float("inf")}, "max_scale"),
+        ({"max_scale": 0.5}, "max_scale"),
+        ({"max_consecutive_skips": 0}, "max_consecutive_skips"),
+        ({"max_consecutive_skips": True}, "max_consecutive_skips"),
+    ],
+)
+def test_invalid_arguments_raise_naming_the_argument_and_the_value(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"{name}={kwargs[name]!r}".replace("(", r"\(").replace(")", r"\)")):
+        DynamicLossScaler(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------------------ state
+def advanced_scaler(**kwargs: Any) -> DynamicLossScaler:
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2, **kwargs)
+    w = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for bad in (False, True, False, True, True, False):
+        opt.zero_grad()
+        scaler.scale(w.sum() * (float("inf") if bad else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    return scaler
+
+
+def test_state_dict_holds_only_plain_python_values_and_survives_weights_only_load() -> None:
+    state = advanced_scaler().state_dict()
+    assert all(isinstance(v, (int, float, type(None))) for v in state.values())
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == state
+
+
+def test_state_dict_round_trip_restores_scale_trackers_and_counters() -> None:
+    original = advanced_scaler()
+    restored = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2)
+    restored.load_state_dict(original.state_dict())
+    assert restored.state_dict() == original.state_dict()
+    assert restored.skipped_steps == 3
+
+
+def test_a_grad_scaler_state_loads_so_runs_can_migrate_and_back() -> None:
+    _, _ = train(grad_scaler := torch.amp.GradScaler("cpu", growth_interval=7), steps=50)
+    ours = DynamicLossScaler(growth_interval=7)
+    ours.load_state_dict(grad_scaler.state_dict())
+    assert ours.get_scale() == grad_scaler.get_scale()
+    assert ours.state_dict()["_growth_tracker"] == grad_scaler.state_dict()["_growth_tracker"]
+    back = torch.amp.GradScaler("cpu")
+    back.load_state_dict(ours.state_dict())
+    assert back.get_scale() == grad_scaler.get_scale()
+
+
+def test_differing_saved_hyperparameters_warn_and_the_constructors_stay() -> None:
+    state = advanced_scaler().state_dict()
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=5)
+    with pytest.warns(UserWarning, match="growth_interval"):
+        scaler.load_state_dict(state)
+    assert scaler.growth_interval == 5
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "match"),
+    [
+        ([1, 2], TypeError, "expects a dict"),
+        ({"growth_factor": 2.0}, ValueError, "no 'scale' key"),
+        ({"scale": "big"}, TypeError, "scale='big'"),
+        ({"scale": 0.0}, ValueError, "scale=0.0"),
+        ({"scale": float("nan")}, ValueError, "scale=nan"),
+        ({"scale": 8.0, "_growth_tracker": 1.5}, TypeError, "_growth_tracker=1.5"),
+    ],
+)
+def test_corrupt_states_raise_naming_what_is_wrong(state: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        DynamicLossScaler().load_state_dict(state)
+
+
+def test_a_saved_scale_outside_the_bounds_is_clamped_with_a_warning() -> None:
+    scaler = DynamicLossScaler()
+    with pytest.warns(UserWarning, match="clamped"):
+        scaler.load_state_dict({"scale": 0.0001})
+    assert scaler.get_scale() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------------ host syncs
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
+
+
+@contextmanager
+def count_host_reads(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> Iterator[None]:
+    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    with monkeypatch.context() as m:
+        for name in HOST_READS:
+            m.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
+        yield
+
+
+def test_update_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+    scaler.step(opt)
+    calls: list[str] = []
+    with count_host_reads(monkeypatch, calls):
+        scaler.update()
+    assert calls == []
+
+
+def test_a_clean_step_reads_from_the_device_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler()
+    scaler.scale(model(torch.randn(2, 8)).sum()).backward()
+    calls: list[str] = []
+    with count_host_reads(monkeypatch, calls):
+        scaler.unscale_(opt)
+        scaler.clip_grad_norm_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert calls == ["tolist"]
+
+
+# ------------------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+def test_parity_with_grad_scaler_on_cuda_and_no_sync_in_update() -> None:
+    def run(scaler: Any) -> tuple[list[float], nn.Module]:
+        model = make_model().cuda()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        scales = []
+        for step, x, y in batches(100):
+            x, y = x.cuda(), y.cuda()
+            opt.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            loss = loss * float("inf") if step in INF_STEPS else loss
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            if isinstance(scaler, DynamicLossScaler):
+                torch.cuda.set_sync_debug_mode("error")
+            scaler.update()
+            torch.cuda.set_sync_debug_mode("default")
+            scales.append(scaler.get_scale())
+        return scales, model
+
+    ours, model_ours = run(DynamicLossScaler(growth_interval=10))
+    torchs, model_torch = run(torch.amp.GradScaler("cuda", growth_interval=10))
+    assert ours == torchs
+    # foreach kernels on both sides; identical skip decisions; unscale by the same power of two.
+    assert_same_parameters(model_ours, model_torch, rtol=0, atol=0)
