@@ -194,6 +194,8 @@ class DynamicLossScaler:
         """Names of the parameters whose gradients were non-finite at the last skipped step."""
         self.last_step_skipped = False
         """Whether the last optimizer step was skipped."""
+        self.last_step_scale: float | None = None
+        """The scale the last unscaled gradients had been multiplied by (read in the step's one sync, free to use)."""
 
     def __repr__(self) -> str:
         c = self._config
@@ -280,6 +282,7 @@ class DynamicLossScaler:
         record.found_inf = (~torch.isfinite(total_squared)).float()
         norm, record.scale = torch.stack([total_squared.sqrt(), self._state.scale]).tolist()
         record.grad_norm = norm
+        self.last_step_scale = record.scale
         record.overflow = not math.isfinite(norm)
         self.last_grad_norm = norm
         if record.overflow:
