@@ -393,3 +393,27 @@ def test_parity_with_grad_scaler_on_cuda_and_no_sync_in_update() -> None:
     assert ours == torchs
     # foreach kernels on both sides; identical skip decisions; unscale by the same power of two.
     assert_same_parameters(model_ours, model_torch, rtol=0, atol=0)
+
+
+def test_fp16_gradients_of_a_pure_fp16_model_are_unscaled_and_checked_where_grad_scaler_refuses_them() -> None:
+    model = make_model().half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8).half()
+    with pytest.raises(ValueError, match="FP16 gradients"):
+        grad_scaler = torch.amp.GradScaler("cpu")
+        grad_scaler.scale(model(x).float().pow(2).mean()).backward()
+        grad_scaler.unscale_(opt)
+    opt.zero_grad()
+    reference = copy.deepcopy(model)
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    scaler.unscale_(opt)
+    reference(x).float().pow(2).mean().backward()
+    for p, r in zip(model.parameters(), reference.parameters(), strict=True):
+        assert p.grad.dtype == torch.float16
+        # Scaling by 2**10 then unscaling is exact except where the unscaled fp16 backward rounded small values.
+        torch.testing.assert_close(p.grad, r.grad, rtol=2e-3, atol=1e-4)
+    opt.zero_grad()
+    scaler.update()
+    (model(x).float().pow(2).mean() * float("inf")).backward()
+    assert scaler.step(opt) is None and scaler.skipped_steps == 1
