@@ -276,7 +276,7 @@ class DynamicLossScaler:
         grads = [p.grad for p in record.params if p.grad is not None]
         if grads:
             self._ensure_device(grads[0].device)
-        inv_scale = None if self._unit_scale else self._state.scale.double().reciprocal().float()
+        inv_scale = None if self._unit_scale else _reciprocal(self._state.scale)
         squared = unscale_and_measure_(grads, inv_scale, self._state.scale.device)
         total_squared = squared.sum()
         record.found_inf = (~torch.isfinite(total_squared)).float()
@@ -472,6 +472,13 @@ class DynamicLossScaler:
             "inf/NaN, lower the learning rate, clip gradients, train in 'bf16-mixed', or lower `min_scale`. "
             f"To keep going anyway, raise `max_consecutive_skips` (now {self.max_consecutive_skips}) or set it to None."
         )
+
+
+def _reciprocal(scale: Tensor) -> Tensor:
+    """``1 / scale`` rounded once to float32, as GradScaler computes it (via float64, which MPS lacks)."""
+    if scale.device.type == "mps":
+        return torch.reciprocal(scale)  # float32 division is correctly rounded too
+    return scale.double().reciprocal().float()
 
 
 def _number(state: Mapping[str, Any], key: str, kind: type[int] | type[float], default: float | None = None) -> Any:
