@@ -58,10 +58,23 @@ def _held_class(cls: type, ledger: StepLedger) -> type:
                 return None
             return original_step(self, *args, **kwargs)
 
-        held = type(cls.__name__, (cls,), {"step": step, "__module__": cls.__module__, "_amp_plus_held_from": cls})
+        def __reduce_ex__(self: Any, protocol: Any) -> Any:
+            # Pickle (and copy) as the original class: the held class is a runtime attachment pickle cannot find by
+            # name. A copy is therefore an ordinary scheduler, not held.
+            return _rebuild, (cls, self.__dict__)
+
+        namespace = {"step": step, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__}
+        held = type(cls.__name__, (cls,), {**namespace, "_amp_plus_held_from": cls})
         _HELD_CLASSES[key] = held
         _LEDGERS[id(ledger)] = ledger
     return _HELD_CLASSES[key]
+
+
+def _rebuild(cls: type, state: dict[str, Any]) -> Any:
+    """Recreate a scheduler of ``cls`` from its ``__dict__`` (the unpickling side of a held scheduler)."""
+    scheduler: Any = object.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
 
 
 def hold(scheduler: Any, ledger: StepLedger) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import Tensor, nn
@@ -241,6 +242,10 @@ class MixedPrecisionPlugin(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        if isinstance(optimizer, LightningOptimizer):
+            # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
+            # that both reach the scaler's record of the same optimizer and the gradients are unscaled only once.
+            optimizer = optimizer.optimizer
         if self._checker is not None:
             # Under manual optimization users clip before opt.step(): unscale first (a no-op if already done).
             self._checker.unscale_(optimizer)
@@ -313,8 +318,11 @@ def _default_device() -> str:
 
 
 def _unwrapped_names(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameter names as the user wrote them: without the ``module.`` prefixes that DDP and Lightning wrappers add."""
+    """Parameter names as the user wrote them: without the ``module.`` prefixes that DDP and Lightning wrappers add.
+
+    Unwrapping stops at the LightningModule: a ``module`` attribute there is the user's own submodule.
+    """
     inner: nn.Module = model
-    while isinstance(getattr(inner, "module", None), nn.Module):
+    while not isinstance(inner, pl.LightningModule) and isinstance(getattr(inner, "module", None), nn.Module):
         inner = cast(nn.Module, inner.module)
     return list(inner.named_parameters())

@@ -454,7 +454,7 @@ class DynamicLossScaler:
         names = record.nonfinite
         if names:
             shown = ", ".join(names[:_NAMES_SHOWN]) + (
-                f" and {len(names) - _NAMES_SHOWN} more" if len(names) > 10 else ""
+                f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
             )
             where = f"non-finite gradients in {len(names)} parameter(s): {shown}"
         else:
