@@ -4,7 +4,8 @@ No Lightning here, and none of torch's private ``torch._amp_*`` kernels. The des
 as few times as possible:
 
 * ``unscale_and_measure_`` multiplies each gradient by the inverse scale and takes its squared L2 norm right after,
-  tensor by tensor on CPU, so the norm reads memory the multiply just left in cache. The norm is of the *unscaled*
+  tensor by tensor on CPU for large tensors, so the norm reads memory the multiply just left in cache (small tensors go
+  through one multi-tensor call, where the cost per call matters more than memory). The norm is of the *unscaled*
   values, so the overflow check holds after unscaling (an fp16 gradient that overflows when multiplied by an inverse
   scale above 1 is caught), and a non-finite value anywhere makes the norm non-finite. On CUDA the same two steps run as
   two multi-tensor (``_foreach``) kernels per dtype, which is what the hardware prefers.
@@ -14,32 +15,51 @@ as few times as possible:
 
 from __future__ import annotations
 
-import struct
 from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_amp_plus._float32 import f32
+
 __all__ = ["clip_by_norm_", "squared_norms", "unscale_and_measure_"]
 
 # Squared norms are accumulated in float32 whatever the gradient dtype, so fp16 gradients do not overflow the sum.
 _NORM_DTYPE = torch.float32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def _f32(value: float) -> float:
-    """Round a Python float to the nearest float32."""
-    rounded: float = struct.unpack("f", struct.pack("f", value))[0]
-    return rounded
+# Below this many elements a tensor is cheaper to treat in one foreach call with its peers than on its own.
+_INTERLEAVE_MIN_NUMEL = 1 << 16
 
 
 def _squared_norm(grad: Tensor) -> Tensor:
     flat = grad.reshape(-1)
-    if flat.dtype == _NORM_DTYPE:
-        # A dot product is the fastest full read of float32 memory on CPU (BLAS), faster than vector_norm.
-        return torch.dot(flat, flat)
-    squared: Tensor = torch.linalg.vector_norm(flat, dtype=_NORM_DTYPE).square()
+    if flat.dtype != _NORM_DTYPE:
+        # A float32 copy then a dot product is faster on CPU than vector_norm(dtype=float32) over half types.
+        flat = flat.to(_NORM_DTYPE)
+    # A dot product is the fastest full read of float32 memory on CPU (BLAS), faster than vector_norm.
+    return torch.dot(flat, flat)
+
+
+def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
+    if inv_scale is not None:
+        torch._foreach_mul_(group, inv_scale)
+    return [norm.square() for norm in torch._foreach_norm(group, 2, dtype=_NORM_DTYPE)]
+
+
+def _cpu_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
+    # Large tensors: multiply, then measure at once, while the tensor is still in cache. Small ones: two foreach calls
+    # for all of them, because there the cost per call, not memory, is what counts.
+    large = [i for i, grad in enumerate(group) if grad.numel() >= _INTERLEAVE_MIN_NUMEL]
+    small = [i for i, grad in enumerate(group) if grad.numel() < _INTERLEAVE_MIN_NUMEL]
+    squared: list[Tensor] = [torch.empty(0)] * len(group)
+    for i in large:
+        if inv_scale is not None:
+            group[i].mul_(inv_scale)
+        squared[i] = _squared_norm(group[i])
+    if small:
+        for i, value in zip(small, _foreach_squared_norms([group[i] for i in small], inv_scale), strict=True):
+            squared[i] = value
     return squared
 
 
@@ -52,12 +72,13 @@ def _check_dense(grads: Sequence[Tensor]) -> None:
             )
 
 
-def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: Tensor | None, out_device: torch.device) -> Tensor:
+def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float | None, out_device: torch.device) -> Tensor:
     """Multiply ``grads`` in place by ``inv_scale`` and return each one's squared L2 norm, measured after the multiply.
 
     Args:
         grads: the gradients, dense, of any floating dtype, on any devices.
-        inv_scale: a 0-d float32 tensor holding ``1 / scale``, or ``None`` to measure only (scale 1).
+        inv_scale: ``1 / scale`` as a float32 value, or ``None`` to measure only (scale 1). The multiply runs in the
+            gradient's compute type (float32 for half types), as torch's own unscale does.
         out_device: where the returned tensor lives (the scaler's device).
 
     Returns:
@@ -66,7 +87,7 @@ def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: Tensor | None, out_
 
     Example:
         >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([float("inf")])]
-        >>> unscale_and_measure_(g, torch.tensor(0.5), torch.device("cpu"))
+        >>> unscale_and_measure_(g, 0.5, torch.device("cpu"))
         tensor([6.2500,    inf])
         >>> g[0]
         tensor([1.5000, 2.0000])
@@ -80,18 +101,8 @@ def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: Tensor | None, out_
     pieces: list[tuple[list[int], Tensor]] = []
     for (device, _dtype), indices in groups.items():
         group = [grads[i] for i in indices]
-        inv = None if inv_scale is None else inv_scale.to(device, non_blocking=True)
-        if device.type == "cpu":
-            norms = []
-            for grad in group:
-                if inv is not None:
-                    grad.mul_(inv)
-                norms.append(_squared_norm(grad))
-            squared = torch.stack(norms)
-        else:
-            if inv is not None:
-                torch._foreach_mul_(group, inv)
-            squared = torch.stack(torch._foreach_norm(group, 2, dtype=_NORM_DTYPE)).square()
+        measure = _cpu_squared_norms if device.type == "cpu" else _foreach_squared_norms
+        squared = torch.stack(measure(group, inv_scale))
         pieces.append((indices, squared.to(out_device, non_blocking=True)))
     if len(pieces) == 1:
         return pieces[0][1]
@@ -131,7 +142,7 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
     # torch computes `max_norm / (norm + eps)` on a float32 tensor, i.e. reciprocal(norm + eps) * max_norm, each
     # rounded to float32. Done here in Python floats with the same roundings (exact: float64 holds every float32
     # sum, product and quotient before rounding), the coefficient is bit-identical without touching a tensor.
-    coef = _f32(_f32(1.0 / _f32(_f32(total_norm) + _f32(eps))) * _f32(max_norm))
+    coef = f32(f32(1.0 / f32(f32(total_norm) + f32(eps))) * f32(max_norm))
     if coef >= 1.0:
         return 1.0
     by_device: dict[torch.device, list[Tensor]] = defaultdict(list)

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_amp_plus._float32 import f32
 from lightning_amp_plus._grads import clip_by_norm_, unscale_and_measure_
-from lightning_amp_plus._policy import ScaleConfig, ScaleState, update_scale_
+from lightning_amp_plus._policy import ScalePolicy
 
 __all__ = ["DynamicLossScaler"]
 
@@ -44,7 +45,7 @@ class _StepRecord:
     """What one optimizer's gradients looked like since the last ``update()``."""
 
     params: list[Tensor] = field(default_factory=list)
-    found_inf: Tensor | None = None
+    checked: bool = False
     grad_norm: float | None = None
     scale: float = 1.0
     overflow: bool = False
@@ -81,9 +82,10 @@ class DynamicLossScaler:
     * When ``max_consecutive_skips`` steps in a row are skipped with the scale at ``min_scale``, training cannot make
       progress: :meth:`step` raises ``FloatingPointError`` naming the parameters, the scale and the skipped steps.
 
-    The scale and its trackers are tensors on the device of the loss; :meth:`update` does not synchronise with the host.
-    Each optimizer step costs one host sync (in :meth:`unscale_`, which reads the gradient norm: the skip decision).
-    Skip counters are plain Python ints, updated from that same read, so callbacks can read them for free.
+    Each optimizer step costs one host sync: :meth:`unscale_` reads the gradient norm back, which decides the skip. The
+    scale policy then runs on the host from that same read (no kernels, no further sync); the scale the loss is
+    multiplied by is a tensor on the loss's device, written only when the policy changes it, so :meth:`update` never
+    synchronises. Counters and :meth:`get_scale` are plain Python numbers: reading them is free.
 
     Args:
         init_scale: the initial scale.
@@ -171,7 +173,8 @@ class DynamicLossScaler:
             "must be an int >= 1, or None to never stop",
         )
         self._init_scale = float(init_scale)
-        self._config = ScaleConfig(
+        self._policy = ScalePolicy(
+            scale=float(init_scale),
             growth_factor=float(growth_factor),
             backoff_factor=float(backoff_factor),
             growth_interval=int(growth_interval),
@@ -182,7 +185,8 @@ class DynamicLossScaler:
         self.max_consecutive_skips = max_consecutive_skips
         # A scale pinned at 1 needs no multiply at all: only the check runs (the bf16 case).
         self._unit_scale = min_scale == max_scale == 1.0
-        self._state = ScaleState.create(self._init_scale, self._config.hysteresis)
+        # The device copy of the scale, which `scale()` multiplies by; written only when the policy changes it.
+        self._scale = torch.full((), self._policy.scale, dtype=torch.float32)
         self._records: dict[int, _StepRecord] = {}
         self._names: dict[int, str] = {}
         self._skipped_steps = 0
@@ -195,10 +199,10 @@ class DynamicLossScaler:
         self.last_step_skipped = False
         """Whether the last optimizer step was skipped."""
         self.last_step_scale: float | None = None
-        """The scale the last unscaled gradients had been multiplied by (read in the step's one sync, free to use)."""
+        """The scale the last unscaled gradients had been multiplied by."""
 
     def __repr__(self) -> str:
-        c = self._config
+        c = self._policy
         return (
             f"DynamicLossScaler(init_scale={self._init_scale:g}, growth_factor={c.growth_factor:g}, "
             f"backoff_factor={c.backoff_factor:g}, growth_interval={c.growth_interval}, hysteresis={c.hysteresis}, "
@@ -209,22 +213,22 @@ class DynamicLossScaler:
     @property
     def min_scale(self) -> float:
         """The floor of the scale."""
-        return self._config.min_scale
+        return self._policy.min_scale
 
     @property
     def max_scale(self) -> float:
         """The ceiling of the scale."""
-        return self._config.max_scale
+        return self._policy.max_scale
 
     @property
     def hysteresis(self) -> int:
         """Overflows tolerated before a backoff."""
-        return self._config.hysteresis
+        return self._policy.hysteresis
 
     @property
     def growth_interval(self) -> int:
         """Clean steps in a row before the scale grows."""
-        return self._config.growth_interval
+        return self._policy.growth_interval
 
     @property
     def skipped_steps(self) -> int:
@@ -256,7 +260,7 @@ class DynamicLossScaler:
             if self._unit_scale:
                 return outputs
             self._ensure_device(outputs.device)
-            return outputs * self._state.scale
+            return outputs * self._scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(item) for item in outputs)
         raise TypeError(
@@ -270,17 +274,18 @@ class DynamicLossScaler:
         :meth:`update` does nothing, so the gradients are unscaled exactly once. This is the step's one host sync.
         """
         record = self._record(optimizer)
-        if record.found_inf is not None:
+        if record.checked:
             return
         record.params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [p.grad for p in record.params if p.grad is not None]
         if grads:
             self._ensure_device(grads[0].device)
-        inv_scale = None if self._unit_scale else _reciprocal(self._state.scale)
-        squared = unscale_and_measure_(grads, inv_scale, self._state.scale.device)
-        total_squared = squared.sum()
-        record.found_inf = (~torch.isfinite(total_squared)).float()
-        norm, record.scale = torch.stack([total_squared.sqrt(), self._state.scale]).tolist()
+        record.scale = self._policy.scale
+        # 1 / scale rounded once to float32, as GradScaler computes it.
+        inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
+        squared = unscale_and_measure_(grads, inv_scale, self._scale.device)
+        norm = float(squared.sum().sqrt().item())  # the step's one host sync: the skip decision
+        record.checked = True
         record.grad_norm = norm
         self.last_step_scale = record.scale
         record.overflow = not math.isfinite(norm)
@@ -352,30 +357,31 @@ class DynamicLossScaler:
         """
         if new_scale is not None:
             _require(_is_real(new_scale) and new_scale > 0, "new_scale", new_scale, "must be a finite number > 0")
-            self._state.scale.fill_(min(max(float(new_scale), self.min_scale), self.max_scale))
-        else:
-            found = [r.found_inf for r in self._records.values() if r.found_inf is not None]
-            if found:
-                update_scale_(self._state, torch.stack(found).sum(), self._config)
+            self._set_scale(min(max(float(new_scale), self.min_scale), self.max_scale))
+        elif any(record.checked for record in self._records.values()) and not self._policy.fixed:
+            before = self._policy.scale
+            self._policy.update(found_inf=any(record.overflow for record in self._records.values()))
+            if self._policy.scale != before:
+                self._scale.fill_(self._policy.scale)  # no host sync: a host value written to the device
         self._records.clear()
 
     def get_scale(self) -> float:
-        """The current scale as a Python float (reading it synchronises with the device)."""
-        return float(self._state.scale.item())
+        """The current scale as a Python float (no device read)."""
+        return self._policy.scale
 
     # ---------------------------------------------------------------------------------------------- checkpointing
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state: plain Python numbers only, a superset of ``torch.amp.GradScaler``'s keys."""
         return {
             "scale": self.get_scale(),
-            "growth_factor": self._config.growth_factor,
-            "backoff_factor": self._config.backoff_factor,
-            "growth_interval": self._config.growth_interval,
-            "_growth_tracker": int(self._state.growth_tracker.item()),
-            "hysteresis": self._config.hysteresis,
-            "_hysteresis_tracker": int(self._state.hysteresis_tracker.item()),
-            "min_scale": self._config.min_scale,
-            "max_scale": self._config.max_scale,
+            "growth_factor": self._policy.growth_factor,
+            "backoff_factor": self._policy.backoff_factor,
+            "growth_interval": self._policy.growth_interval,
+            "_growth_tracker": self._policy.growth_tracker,
+            "hysteresis": self._policy.hysteresis,
+            "_hysteresis_tracker": self._policy.hysteresis_tracker,
+            "min_scale": self._policy.min_scale,
+            "max_scale": self._policy.max_scale,
             "max_consecutive_skips": self.max_consecutive_skips,
             "skipped_steps": self._skipped_steps,
             "consecutive_skips": self._consecutive_skips,
@@ -409,9 +415,9 @@ class DynamicLossScaler:
                 stacklevel=2,
             )
             scale = min(max(scale, self.min_scale), self.max_scale)
-        self._state.scale.fill_(scale)
-        self._state.growth_tracker.fill_(_number(state_dict, "_growth_tracker", int, 0))
-        self._state.hysteresis_tracker.fill_(_number(state_dict, "_hysteresis_tracker", int, self.hysteresis))
+        self._set_scale(scale)
+        self._policy.growth_tracker = _number(state_dict, "_growth_tracker", int, 0)
+        self._policy.hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int, self.hysteresis)
         self._skipped_steps = _number(state_dict, "skipped_steps", int, 0)
         self._consecutive_skips = _number(state_dict, "consecutive_skips", int, 0)
         self._floor_skips = _number(state_dict, "_floor_skips", int, 0)
@@ -429,8 +435,12 @@ class DynamicLossScaler:
         return self._records.setdefault(id(optimizer), _StepRecord())
 
     def _ensure_device(self, device: torch.device) -> None:
-        if self._state.scale.device != device:
-            self._state = self._state.to(device)
+        if self._scale.device != device:
+            self._scale = self._scale.to(device)
+
+    def _set_scale(self, value: float) -> None:
+        self._policy.scale = f32(value)
+        self._scale.fill_(self._policy.scale)
 
     def _nonfinite_names(self, optimizer: Optimizer, params: list[Tensor], squared: Tensor) -> list[str]:
         bad = set(torch.nonzero(~torch.isfinite(squared)).flatten().tolist())
@@ -472,13 +482,6 @@ class DynamicLossScaler:
             "inf/NaN, lower the learning rate, clip gradients, train in 'bf16-mixed', or lower `min_scale`. "
             f"To keep going anyway, raise `max_consecutive_skips` (now {self.max_consecutive_skips}) or set it to None."
         )
-
-
-def _reciprocal(scale: Tensor) -> Tensor:
-    """``1 / scale`` rounded once to float32, as GradScaler computes it (via float64, which MPS lacks)."""
-    if scale.device.type == "mps":
-        return torch.reciprocal(scale)  # float32 division is correctly rounded too
-    return scale.double().reciprocal().float()
 
 
 def _number(state: Mapping[str, Any], key: str, kind: type[int] | type[float], default: float | None = None) -> Any:

@@ -19,7 +19,7 @@ def grads(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 def test_unscale_multiplies_in_place_and_measures_the_unscaled_norms(dtype: torch.dtype) -> None:
     g = [t * 64 for t in grads(dtype)]
     expected = [t.float() / 64 for t in g]
-    squared = unscale_and_measure_(g, torch.tensor(1 / 64), CPU)
+    squared = unscale_and_measure_(g, 1 / 64, CPU)
     # Multiplying by a power of two is exact in every float format.
     for got, want in zip(g, expected, strict=True):
         torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
@@ -32,14 +32,14 @@ def test_unscale_multiplies_in_place_and_measures_the_unscaled_norms(dtype: torc
 def test_a_single_non_finite_value_makes_only_its_tensors_norm_non_finite(bad: float) -> None:
     g = grads()
     g[2][1, 2, 3] = bad
-    squared = unscale_and_measure_(g, torch.tensor(0.5), CPU)
+    squared = unscale_and_measure_(g, 0.5, CPU)
     assert torch.isfinite(squared).tolist() == [True, True, False, True]
 
 
 def test_overflow_created_by_the_unscale_itself_is_caught() -> None:
     # A scale below 1 multiplies: 40000 * 2 overflows fp16. The check runs after the multiply, so it sees the inf.
     g = [torch.tensor([40000.0, 1.0], dtype=torch.float16)]
-    squared = unscale_and_measure_(g, torch.tensor(2.0), CPU)
+    squared = unscale_and_measure_(g, 2.0, CPU)
     assert not torch.isfinite(squared).all()
 
 

@@ -1,4 +1,4 @@
-"""The scale policy state machine, against a plain-Python model of the same rules."""
+"""The scale policy state machine: its rules, and torch's own update kernel as the reference for hysteresis=1."""
 
 from __future__ import annotations
 
@@ -7,83 +7,85 @@ import random
 import pytest
 import torch
 
-from lightning_amp_plus._policy import ScaleConfig, ScaleState, update_scale_
+from lightning_amp_plus._policy import ScalePolicy
 
 
-def reference_policy(found: list[bool], init: float, cfg: ScaleConfig) -> list[float]:
-    """The policy written out in plain Python: the scale after each step."""
-    scale, growth, hyst = init, 0, cfg.hysteresis
-    out = []
-    for overflow in found:
-        if overflow:
-            hyst -= 1
-            if hyst <= 0:
-                scale = max(scale * cfg.backoff_factor, cfg.min_scale)
-                hyst = 0
-            growth = 0
-        else:
-            growth += 1
-            if growth >= cfg.growth_interval:
-                scale = min(scale * cfg.growth_factor, cfg.max_scale)
-                growth = 0
-                hyst = cfg.hysteresis
-        out.append(scale)
-    return out
-
-
-def run_policy(found: list[bool], init: float, cfg: ScaleConfig) -> list[float]:
-    state = ScaleState.create(init, cfg.hysteresis)
-    out = []
-    for overflow in found:
-        update_scale_(state, torch.tensor(float(overflow)), cfg)
-        out.append(state.scale.item())
-    return out
-
-
-def config(**kw: float) -> ScaleConfig:
+def policy(init: float = 8.0, **kw: float) -> ScalePolicy:
     base = dict(
         growth_factor=2.0, backoff_factor=0.5, growth_interval=3, hysteresis=1, min_scale=1.0, max_scale=2.0**24
     )
     base.update(kw)
-    return ScaleConfig(**base)  # type: ignore[arg-type]
+    return ScalePolicy(init, **base)  # type: ignore[arg-type]
+
+
+def run(p: ScalePolicy, found: list[bool]) -> list[float]:
+    out = []
+    for overflow in found:
+        p.update(overflow)
+        out.append(p.scale)
+    return out
+
+
+def grad_scaler_kernel(found: list[bool], init: float, growth: float, backoff: float, interval: int) -> list[float]:
+    """torch.amp.GradScaler's own update (its private fused kernel, allowed in tests as the reference)."""
+    scale, tracker, out = torch.tensor([init]), torch.zeros(1, dtype=torch.int32), []
+    for overflow in found:
+        torch._amp_update_scale_(scale, tracker, torch.tensor([float(overflow)]), growth, backoff, interval)
+        out.append(scale.item())
+    return out
 
 
 def test_scale_grows_after_growth_interval_clean_steps() -> None:
-    assert run_policy([False] * 7, 8.0, config()) == [8, 8, 16, 16, 16, 32, 32]
+    assert run(policy(), [False] * 7) == [8, 8, 16, 16, 16, 32, 32]
+
+
+def test_update_says_whether_the_scale_changed() -> None:
+    p = policy(growth_interval=2)
+    assert [p.update(f) for f in (False, False, False, True)] == [False, True, False, True]
 
 
 def test_overflow_backs_off_and_restarts_the_growth_count() -> None:
-    assert run_policy([False, False, True, False, False, False], 8.0, config()) == [8, 8, 4, 4, 4, 8]
+    assert run(policy(), [False, False, True, False, False, False]) == [8, 8, 4, 4, 4, 8]
 
 
 def test_hysteresis_tolerates_overflows_until_used_up_and_refills_on_growth() -> None:
-    cfg = config(hysteresis=2)
     # First overflow tolerated, second backs off, third backs off again (no growth in between refilled it).
-    assert run_policy([True, True, True], 8.0, cfg) == [8, 4, 2]
+    assert run(policy(hysteresis=2), [True, True, True]) == [8, 4, 2]
     # A growth refills the hysteresis: the next single overflow is tolerated again.
-    assert run_policy([True, False, False, False, True], 8.0, cfg) == [8, 8, 8, 16, 16]
+    assert run(policy(hysteresis=2), [True, False, False, False, True]) == [8, 8, 8, 16, 16]
 
 
 def test_scale_never_goes_below_the_floor_even_after_thousands_of_overflows() -> None:
-    out = run_policy([True] * 2000, 2.0**16, config(min_scale=0.25))
+    out = run(policy(2.0**16, min_scale=0.25), [True] * 2000)
     assert min(out) == 0.25 and out[-1] == 0.25
 
 
 def test_scale_never_exceeds_the_ceiling() -> None:
-    out = run_policy([False] * 300, 2.0**10, config(growth_interval=1, max_scale=2.0**14))
-    assert max(out) == 2.0**14
+    assert max(run(policy(2.0**10, growth_interval=1, max_scale=2.0**14), [False] * 300)) == 2.0**14
 
 
-@pytest.mark.parametrize("seed", range(5))
-def test_policy_matches_the_plain_python_model_on_random_overflow_sequences(seed: int) -> None:
+def test_a_ceiling_near_float32_max_never_gives_inf() -> None:
+    top = torch.finfo(torch.float32).max
+    out = run(policy(2.0**120, growth_interval=1, growth_factor=4.0, max_scale=top), [False] * 10)
+    assert out[-1] == top
+
+
+def test_a_policy_with_equal_bounds_is_fixed_and_never_changes() -> None:
+    p = policy(1.0, min_scale=1.0, max_scale=1.0)
+    assert p.fixed and run(p, [True, False, False, False, True]) == [1.0] * 5
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_with_hysteresis_1_the_policy_equals_grad_scalers_update_kernel(seed: int) -> None:
     rng = random.Random(seed)
-    cfg = config(
-        growth_interval=rng.randint(1, 5),
-        hysteresis=rng.randint(1, 3),
-        backoff_factor=rng.choice([0.5, 0.25]),
-        growth_factor=rng.choice([2.0, 4.0]),
-        min_scale=2.0 ** rng.randint(-4, 2),
-        max_scale=2.0 ** rng.randint(10, 20),
-    )
-    found = [rng.random() < 0.3 for _ in range(400)]
-    assert run_policy(found, 2.0**8, cfg) == reference_policy(found, 2.0**8, cfg)
+    # Factors that are not powers of two exercise the float32 rounding of every product.
+    growth, backoff = rng.choice([2.0, 1.5, 3.1]), rng.choice([0.5, 0.3, 0.77])
+    interval = rng.randint(1, 5)
+    found = [rng.random() < 0.35 for _ in range(500)]
+    ours = run(policy(1000.0, growth_factor=growth, backoff_factor=backoff, growth_interval=interval,
+                      min_scale=1e-30, max_scale=3e38), found)  # fmt: skip
+    reference = grad_scaler_kernel(found, 1000.0, growth, backoff, interval)
+    # GradScaler has no bounds: compare up to where the walk first reaches one of ours (if it ever does).
+    inside = next((i for i, s in enumerate(reference) if not (s * backoff > 1e-30 and s * growth < 3e38)), 500)
+    assert inside >= 200
+    assert ours[:inside] == reference[:inside]
