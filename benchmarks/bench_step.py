@@ -1,0 +1,241 @@
+"""Benchmark a Lightning training step: our ``MixedPrecisionPlugin`` against Lightning's built-in ``MixedPrecision``.
+
+What is measured
+    The steady-state time of one training step (forward under autocast, backward, the plugin's unscale / check /
+    optimizer step / scale update) of a small CNN, conv(3->16)-ReLU-pool-conv(16->32)-ReLU-pool-linear(->10), on random
+    32x32 RGB images in batches of 32, with SGD (momentum 0.9), on CPU:
+
+    * ``16-mixed``: ``MixedPrecisionPlugin("16-mixed", device="cpu")`` (ours, ``DynamicLossScaler``) against
+      ``lightning.pytorch.plugins.precision.MixedPrecision("16-mixed", "cpu")`` (Lightning's, ``torch.amp.GradScaler``);
+      given as plugin objects, both really run fp16 autocast on CPU (the *string* ``precision="16-mixed"`` would turn
+      into bf16 there).
+    * ``bf16-mixed``: the same pair at bf16 (ours still checks gradients for inf/NaN and may skip the step; Lightning's
+      does nothing there).
+    * ``32-true``: for context, the same ``Trainer(precision="32-true")`` twice (labelled A and B): their ratio shows
+      how much two identical configurations differ on this machine, i.e. the noise floor of the other ratios.
+
+How
+    Each configuration runs in a fresh ``Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    enable_model_summary=False, enable_checkpointing=False, max_steps=N)`` with the same seed (same initial weights,
+    same data). A callback records ``time.perf_counter()`` in ``on_train_batch_start`` and ``on_train_batch_end``
+    (which fires after the optimizer step), so data loading and Trainer start-up are not timed; the first
+    ``--warmup`` steps of every run are dropped. The two configurations of a precision are interleaved over
+    ``--rounds`` rounds (A B, B A, A B, ...) so machine noise affects both equally; no new round starts once
+    ``--budget-s`` seconds have passed (at least two rounds run), which keeps the run short on a busy machine, where
+    steps can be many times slower (two OpenMP threads on two shared cores stall; try ``--threads 1`` there).
+    Reported per precision: the median
+    step time of each, the ratio of medians ours/Lightning, and the median and range of the per-round ratios.
+    Mixed precision on CPU is slow (bf16 and fp16 autocast both about 6-7x fp32 for this CNN on a 2-core EPYC, up
+    to 14x for fp16 elsewhere), so the mixed runs take fewer steps. Nothing is asserted.
+
+    Target (reported): ours/Lightning <= 1.02x at each mixed precision.
+
+Run
+    python benchmarks/bench_step.py            # about 3-4 minutes on 2 CPU cores (capped by --budget-s)
+    python benchmarks/bench_step.py --quick    # under a minute: a smoke test
+    python benchmarks/bench_step.py --threads 1   # steadier on a machine shared with other processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import MixedPrecisionPlugin
+
+_TARGET = 1.02
+_BATCH = 32
+_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+
+
+class SmallCNN(pl.LightningModule):
+    """conv(3->16)-ReLU-pool-conv(16->32)-ReLU-pool-linear(->10), cross-entropy, SGD."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.fc = nn.Linear(32 * 8 * 8, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc(x.flatten(1))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+class StepTimer(pl.Callback):
+    """Records the wall time of every training step, from batch start to batch end (after the optimizer step)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.times.append(time.perf_counter() - self._start)
+
+
+@dataclass
+class Config:
+    """One side of a comparison: a label and how to build the Trainer's precision arguments."""
+
+    label: str
+    trainer_kwargs: Callable[[], dict[str, Any]]
+    times: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+
+
+def _pairs(precisions: list[str]) -> dict[str, tuple[Config, Config]]:
+    """For each precision, (ours, Lightning's); for 32-true, the same configuration twice (A, B)."""
+    table: dict[str, tuple[Config, Config]] = {}
+    for precision in precisions:
+        if precision == "32-true":
+            table[precision] = (
+                Config("32-true A", lambda: {"precision": "32-true"}),
+                Config("32-true B", lambda: {"precision": "32-true"}),
+            )
+        else:
+            table[precision] = (
+                Config(f"ours {precision}", lambda p=precision: {"plugins": [MixedPrecisionPlugin(p, device="cpu")]}),
+                Config(f"Lightning {precision}", lambda p=precision: {"plugins": [MixedPrecision(p, "cpu")]}),
+            )
+    return table
+
+
+def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
+    """One fresh Trainer.fit of ``warmup + steps`` steps; returns the timed (post-warm-up) step times in seconds."""
+    pl.seed_everything(seed, verbose=False)
+    model = SmallCNN()
+    gen = torch.Generator().manual_seed(seed)
+    n = (warmup + steps) * _BATCH
+    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+    timer = StepTimer()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        max_steps=warmup + steps,
+        callbacks=[timer],
+        **config.trainer_kwargs(),
+    )
+    trainer.fit(model, DataLoader(data, batch_size=_BATCH, shuffle=False))
+    if len(timer.times) != warmup + steps:
+        raise RuntimeError(f"{config.label}: expected {warmup + steps} steps, timed {len(timer.times)}")
+    return timer.times[warmup:]
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*fp16 autocast is correct there but slow.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
+    parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
+    parser.add_argument("--rounds", type=int, default=None, help="most interleaved rounds (default 8, quick 2)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="no new round after this many s (default 240, quick 45)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (default 5)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("FP32", "BF16", "FP16"),
+        help="timed steps per run for 32-true, bf16-mixed, 16-mixed (default 100 30 30; quick 20 8 8)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    _quiet()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rounds = args.rounds or (2 if args.quick else 8)
+    budget = args.budget_s if args.budget_s is not None else (45.0 if args.quick else 240.0)
+    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    steps_fp32, steps_bf16, steps_fp16 = args.steps or ((20, 8, 8) if args.quick else (100, 30, 30))
+    steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16, "16-mixed": steps_fp16}
+    pairs = _pairs(args.precisions)
+
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
+    print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores if > ~0.3)")
+    print(
+        f"small CNN, batch {_BATCH}, up to {rounds} interleaved rounds ({budget:.0f} s budget), {warmup} warm-up "
+        "steps dropped per run, timed steps "
+        f"per run: " + ", ".join(f"{p} {steps[p]}" for p in args.precisions)
+    )
+    started = time.perf_counter()
+    for r in range(rounds):
+        for precision, (a, b) in pairs.items():
+            order = (a, b) if r % 2 == 0 else (b, a)
+            for config in order:
+                times = run_once(config, steps[precision], warmup, args.seed + r)
+                config.times.extend(times)
+                config.round_medians.append(statistics.median(times))
+        elapsed = time.perf_counter() - started
+        print(f"  round {r + 1}/{rounds} done ({elapsed:.0f} s, load average {os.getloadavg()[0]:.2f})", flush=True)
+        if r >= 1 and r + 1 < rounds and elapsed > budget:
+            print(f"  time budget of {budget:.0f} s spent: stopping after {r + 1} rounds", flush=True)
+            break
+
+    print()
+    print("## Training step time (median ms per step over all timed steps; ratios ours/Lightning)")
+    print()
+    print(
+        "| precision | ours (A) ms | Lightning (B) ms | ratio of medians | per-round ratios: median [min, max] "
+        "| steps timed each | target |"
+    )
+    print("|---|---:|---:|---:|---|---:|---|")
+    for precision, (a, b) in pairs.items():
+        ma, mb = statistics.median(a.times), statistics.median(b.times)
+        per_round = [x / y for x, y in zip(a.round_medians, b.round_medians, strict=True)]
+        target = "n/a (A/A noise floor)" if precision == "32-true" else _verdict(ma / mb)
+        print(
+            f"| {precision} | {ma * 1e3:.2f} | {mb * 1e3:.2f} | {ma / mb:.3f}x | {statistics.median(per_round):.3f}x "
+            f"[{min(per_round):.3f}, {max(per_round):.3f}] | {len(a.times)} | {target} |"
+        )
+    print()
+    print("32-true: the same configuration twice (A, B); its ratio is the noise floor of this machine.")
+    print(f"total {time.perf_counter() - started:.0f} s, load average after: {os.getloadavg()[0]:.2f}")
+
+
+def _verdict(ratio: float) -> str:
+    return f"{'met' if ratio <= _TARGET else 'NOT met'} (<= {_TARGET:.2f}x)"
+
+
+if __name__ == "__main__":
+    main()
