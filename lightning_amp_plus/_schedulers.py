@@ -4,9 +4,10 @@ Lightning steps schedulers after every optimizer step, skipped or not, so a run 
 schedule (Lightning #5558, #16228, #18828; PyTorch warns "lr_scheduler.step() before optimizer.step()"). A held
 scheduler's ``step()`` is a no-op when every optimizer step since its last step was skipped.
 
-The hold is installed by giving each scheduler instance a subclass of its own class whose ``step`` consults a
-``StepLedger``. Nothing is added to the instance's ``__dict__``, so ``scheduler.state_dict()`` and checkpoints are
-unchanged, ``isinstance`` checks still pass, and ``release`` restores the original class.
+The hold is installed by giving each scheduler instance a subclass of its own class whose ``step`` consults the
+instance's ``StepLedger`` (kept in a weak mapping). Nothing is added to the instance's ``__dict__``, so
+``scheduler.state_dict()`` and checkpoints are unchanged, ``isinstance`` checks still pass, and ``release`` restores the
+original class.
 """
 
 from __future__ import annotations
@@ -43,18 +44,18 @@ class StepLedger:
         return held
 
 
-_HELD_CLASSES: dict[tuple[type, int], type] = {}
-# Strong references to the ledgers that held classes use, so an id is never reused while its class is cached.
-_LEDGERS: dict[int, StepLedger] = {}
+# One held subclass per scheduler class; which ledger a held scheduler consults is looked up by the instance.
+_HELD_CLASSES: dict[type, type] = {}
+_LEDGER_OF: weakref.WeakKeyDictionary[Any, StepLedger] = weakref.WeakKeyDictionary()
 
 
-def _held_class(cls: type, ledger: StepLedger) -> type:
-    key = (cls, id(ledger))
-    if key not in _HELD_CLASSES:
+def _held_class(cls: type) -> type:
+    if cls not in _HELD_CLASSES:
         original_step = getattr(cls, "step")  # noqa: B009 (mypy cannot see `step` on a bare `type`)
 
         def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if ledger.should_hold(self):
+            ledger = _LEDGER_OF.get(self)
+            if ledger is not None and ledger.should_hold(self):
                 return None
             return original_step(self, *args, **kwargs)
 
@@ -64,10 +65,8 @@ def _held_class(cls: type, ledger: StepLedger) -> type:
             return _rebuild, (cls, self.__dict__)
 
         namespace = {"step": step, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__}
-        held = type(cls.__name__, (cls,), {**namespace, "_amp_plus_held_from": cls})
-        _HELD_CLASSES[key] = held
-        _LEDGERS[id(ledger)] = ledger
-    return _HELD_CLASSES[key]
+        _HELD_CLASSES[cls] = type(cls.__name__, (cls,), {**namespace, "_amp_plus_held_from": cls})
+    return _HELD_CLASSES[cls]
 
 
 def _rebuild(cls: type, state: dict[str, Any]) -> Any:
@@ -80,11 +79,13 @@ def _rebuild(cls: type, state: dict[str, Any]) -> Any:
 def hold(scheduler: Any, ledger: StepLedger) -> None:
     """Make ``scheduler.step()`` consult ``ledger`` (idempotent)."""
     cls = getattr(type(scheduler), "_amp_plus_held_from", type(scheduler))
-    scheduler.__class__ = _held_class(cls, ledger)
+    _LEDGER_OF[scheduler] = ledger
+    scheduler.__class__ = _held_class(cls)
 
 
 def release(scheduler: Any) -> None:
     """Undo :func:`hold`."""
+    _LEDGER_OF.pop(scheduler, None)
     original = getattr(type(scheduler), "_amp_plus_held_from", None)
     if original is not None:
         scheduler.__class__ = original

@@ -1,0 +1,44 @@
+"""The scheduler hold on its own: the ledger's rule, one class per scheduler class, release."""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_amp_plus import _schedulers
+
+
+def scheduler() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    return opt, torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+
+def lr(opt: torch.optim.Optimizer) -> float:
+    return float(opt.param_groups[0]["lr"])
+
+
+def test_a_scheduler_is_held_only_when_every_step_since_its_last_was_skipped() -> None:
+    opt, sched = scheduler()
+    ledger = _schedulers.StepLedger()
+    _schedulers.hold(sched, ledger)
+    ledger.record(opt, applied=False)
+    sched.step()  # the only step since the last was skipped: held
+    assert lr(opt) == 1.0
+    ledger.record(opt, applied=False)
+    ledger.record(opt, applied=True)
+    sched.step()  # one of two applied (an epoch-interval scheduler, say): advances
+    assert lr(opt) == 0.5
+    sched.step()  # no optimizer step at all since: advances, as a scheduler stepped by hand would
+    assert lr(opt) == 0.25
+    assert ledger.held_steps == 1
+
+
+def test_schedulers_of_many_plugins_share_one_held_class_and_release_restores_it() -> None:
+    (_, a), (_, b) = scheduler(), scheduler()
+    _schedulers.hold(a, _schedulers.StepLedger())
+    _schedulers.hold(b, _schedulers.StepLedger())
+    assert type(a) is type(b) and isinstance(a, torch.optim.lr_scheduler.StepLR)
+    _schedulers.release(a)
+    assert type(a) is torch.optim.lr_scheduler.StepLR
+    _schedulers.hold(a, _schedulers.StepLedger())  # holding twice does not stack subclasses
+    _schedulers.hold(a, _schedulers.StepLedger())
+    assert type(a).__mro__[1] is torch.optim.lr_scheduler.StepLR
