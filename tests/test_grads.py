@@ -68,7 +68,7 @@ def test_no_gradients_give_an_empty_result() -> None:
 
 
 def test_sparse_gradients_are_refused_with_a_clear_error() -> None:
-    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (3,))
+    sparse = torch.sparse_coo_tensor(torch.tensor([[0]]), torch.tensor([1.0]), (3,), check_invariants=True)
     with pytest.raises(TypeError, match="sparse"):
         unscale_and_measure_([sparse], None, CPU)
 

@@ -24,6 +24,7 @@ def test_a_scheduler_is_held_only_when_every_step_since_its_last_was_skipped() -
     sched.step()  # the only step since the last was skipped: held
     assert lr(opt) == 1.0
     ledger.record(opt, applied=False)
+    opt.step()
     ledger.record(opt, applied=True)
     sched.step()  # one of two applied (an epoch-interval scheduler, say): advances
     assert lr(opt) == 0.5
