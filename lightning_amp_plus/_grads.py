@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_amp_plus._float32 import f32
 
-__all__ = ["clip_by_norm_", "squared_norms", "unscale_and_measure_"]
+__all__ = ["clip_by_norm_", "nonfinite_names", "squared_norms", "unscale_and_measure_"]
 
 # Squared norms are accumulated in float32 whatever the gradient dtype, so fp16 gradients do not overflow the sum.
 _NORM_DTYPE = torch.float32
@@ -151,3 +151,20 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
     for group in by_device.values():
         torch._foreach_mul_(group, coef)
     return coef
+
+
+def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
+    """Names of the tensors that hold inf or NaN, found with one pass and one host read.
+
+    Example:
+        >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")]))])
+        ['b']
+    """
+    if not named:
+        return []
+    tensors = [tensor.detach() for _, tensor in named]
+    finite = torch.isfinite(squared_norms(tensors, tensors[0].device))
+    if bool(finite.all().item()):  # the one host read; names are looked up only when something is wrong
+        return []
+    bad = set(torch.nonzero(~finite).flatten().tolist())
+    return [name for index, (name, _) in enumerate(named) if index in bad]

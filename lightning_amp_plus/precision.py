@@ -125,6 +125,21 @@ class MixedPrecisionPlugin(Precision):
         return None if self._checker is None else self._checker.last_grad_norm
 
     @property
+    def skip_nonfinite(self) -> bool:
+        """Whether steps with non-finite gradients are skipped (always for fp16; by default for bf16)."""
+        return self._checker is not None
+
+    @property
+    def last_overflow_params(self) -> list[str]:
+        """Names of the parameters whose gradients were non-finite at the last skipped step."""
+        return [] if self._checker is None else self._checker.last_overflow_params
+
+    @property
+    def min_scale(self) -> float | None:
+        """The scaler's floor (``None`` without a scaler)."""
+        return None if self.scaler is None else self.scaler.min_scale
+
+    @property
     def held_scheduler_steps(self) -> int:
         """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
         return self._ledger.held_steps

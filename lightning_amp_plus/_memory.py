@@ -1,0 +1,47 @@
+"""Memory readings for the monitor: CUDA allocator statistics, or the process's resident memory on CPU.
+
+None of these reads synchronises with a device: the CUDA numbers are the caching allocator's host-side counters.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+__all__ = ["cuda_memory_mb", "process_rss_mb", "reset_cuda_peak"]
+
+_MB = 1024.0 * 1024.0
+
+
+def reset_cuda_peak(device: torch.device) -> None:
+    """Start a new peak-memory window on ``device``."""
+    torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_memory_mb(device: torch.device) -> dict[str, float]:
+    """Allocated, reserved, and peak-allocated-since-the-last-reset memory on ``device``, in MB."""
+    return {
+        "cuda_allocated_mb": torch.cuda.memory_allocated(device) / _MB,
+        "cuda_reserved_mb": torch.cuda.memory_reserved(device) / _MB,
+        "cuda_peak_mb": torch.cuda.max_memory_allocated(device) / _MB,
+    }
+
+
+def process_rss_mb() -> float:
+    """The process's resident memory now (Linux), or its peak where the current value cannot be read, in MB.
+
+    Example:
+        >>> process_rss_mb() > 0
+        True
+    """
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * os.sysconf("SC_PAGE_SIZE") / _MB
+    except (OSError, ValueError, IndexError):
+        import resource  # not on Windows; only needed where /proc is missing
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / _MB if sys.platform == "darwin" else peak / 1024.0  # bytes on macOS, KiB elsewhere

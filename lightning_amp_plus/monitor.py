@@ -1,0 +1,274 @@
+"""``MixedPrecisionMonitor``: the loss scale, skipped steps, non-finite values and memory at every step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_amp_plus import _memory
+from lightning_amp_plus._grads import nonfinite_names
+from lightning_amp_plus.precision import MixedPrecisionPlugin
+from lightning_amp_plus.report import AmpHistory, StepRecord, require_matplotlib, summary, write_chart
+
+__all__ = ["MixedPrecisionMonitor"]
+
+_POLICIES = ("warn", "raise", "stop")
+
+
+class MixedPrecisionMonitor(Callback):
+    """Report the loss scale, skipped steps, gradient norm, non-finite values and memory at every optimizer step.
+
+    Logged with Lightning's ``self.log`` (so TensorBoard, CSV, W&B... all receive them; on rank zero only, at the
+    logger's ``log_every_n_steps``):
+
+    * ``amp/loss_scale``: the scale this step's gradients were scaled by (absent without a scaler).
+    * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when this step was skipped).
+    * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the scaler's own pass (only under
+      ``MixedPrecisionPlugin``, which measures it anyway; never recomputed).
+    * ``amp/cuda_allocated_mb``, ``amp/cuda_reserved_mb``, ``amp/cuda_peak_mb`` (the peak within the step) on CUDA;
+      on CPU ``amp/cpu_rss_mb``, the process's resident memory, instead.
+
+    Non-finite values: every ``check_interval`` steps the monitor looks for parameters (after the step) holding inf/NaN
+    and names them. Gradients are checked too when nothing else guards the step (``32-true``, or bf16 without the
+    plugin's skip); under a loss scaler, non-finite gradients are ordinary overflows: the step is skipped and counted,
+    and the monitor records which parameters overflowed (the scaler already knows) and warns when the skip rate over
+    ``skip_window`` steps passes ``skip_warn_rate``, or when the scale sits at its floor. A finding is handled by
+    ``on_nonfinite``: ``"warn"`` names them; ``"raise"`` raises ``FloatingPointError`` naming them; ``"stop"`` saves a
+    debug file (names, step, scale, model state) under ``trainer.default_root_dir`` and ends ``fit`` gracefully.
+
+    At the end of ``fit`` a one-paragraph summary is printed (steps, skips and rate, scale range, first and last
+    overflow, peak memory, non-finite events) and, with ``report_path``, a PNG chart is written (needs matplotlib:
+    ``pip install 'lightning-amp-plus[report]'``).
+
+    Works with ``MixedPrecisionPlugin``, Lightning's ``MixedPrecision`` (its ``torch.amp.GradScaler``: a skip shows as a
+    scale backoff) and plain ``32-true`` (then it reports what applies).
+
+    Args:
+        check_interval: check parameters (and unguarded gradients) every this many optimizer steps; 0 never.
+        on_nonfinite: ``"warn"``, ``"raise"`` or ``"stop"``.
+        skip_window: how many recent steps the skip rate is taken over.
+        skip_warn_rate: warn when the skip rate over the window exceeds this fraction.
+        log_memory: log memory every step.
+        prog_bar: show the loss scale on the progress bar.
+        report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart).
+
+    Example:
+        >>> from lightning import Trainer
+        >>> monitor = MixedPrecisionMonitor(check_interval=10, on_nonfinite="stop")
+        >>> trainer = Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        *,
+        check_interval: int = 1,
+        on_nonfinite: Literal["warn", "raise", "stop"] = "warn",
+        skip_window: int = 100,
+        skip_warn_rate: float = 0.05,
+        log_memory: bool = True,
+        prog_bar: bool = True,
+        report_path: str | Path | None = None,
+    ) -> None:
+        name = type(self).__name__
+        if isinstance(check_interval, bool) or not isinstance(check_interval, int) or check_interval < 0:
+            raise ValueError(f"`{name}(check_interval={check_interval!r})` must be an int >= 0 (0 never checks).")
+        if on_nonfinite not in _POLICIES:
+            raise ValueError(f"`{name}(on_nonfinite={on_nonfinite!r})` must be one of {_POLICIES}.")
+        if isinstance(skip_window, bool) or not isinstance(skip_window, int) or skip_window < 1:
+            raise ValueError(f"`{name}(skip_window={skip_window!r})` must be an int >= 1, e.g. 100.")
+        if not 0.0 <= skip_warn_rate <= 1.0:
+            raise ValueError(f"`{name}(skip_warn_rate={skip_warn_rate!r})` must be a fraction in [0, 1], e.g. 0.05.")
+        if report_path is not None:
+            require_matplotlib()
+        self.check_interval = check_interval
+        self.on_nonfinite = on_nonfinite
+        self.skip_window = skip_window
+        self.skip_warn_rate = skip_warn_rate
+        self.log_memory = log_memory
+        self.prog_bar = prog_bar
+        self.report_path = None if report_path is None else Path(report_path)
+        self.history = AmpHistory()
+        """Every step's record and the non-finite events: what the summary and the chart are made from."""
+        self.debug_path: Path | None = None
+        """The file the ``"stop"`` policy saved, once it has."""
+        self._recent: deque[bool] = deque(maxlen=skip_window)
+        self._skips_seen = 0
+        self._stepped = False
+        self._scale_before: float | None = None
+        self._floor_warned = False
+        self._cpu_memory_said = False
+
+    # ------------------------------------------------------------------------------------------------- the step
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.history = AmpHistory(memory_kind="CUDA memory" if self._on_cuda(trainer) else "process memory")
+        self._recent.clear()
+        self._skips_seen = 0
+        self._floor_warned = False
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._stepped = False
+        if self.log_memory and self._on_cuda(trainer):
+            _memory.reset_cuda_peak(trainer.strategy.root_device)
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
+    ) -> None:
+        if not self._stepped:
+            self._stepped = True
+            # The scale this step's gradients carry (the scaler updates after the step). Free under our plugin.
+            self._scale_before = None if trainer.scaler is None else float(trainer.scaler.get_scale())
+        if self._checking(trainer) and not self._guarded(trainer):
+            named = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
+            self._found(trainer, pl_module, "gradients", nonfinite_names(named))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._stepped:
+            return  # an accumulating micro-batch: no optimizer step to report
+        step = trainer.global_step - 1
+        skipped, overflowed = self._skip_of_this_step(trainer)
+        plugin = trainer.precision_plugin
+        grad_norm = plugin.last_grad_norm if isinstance(plugin, MixedPrecisionPlugin) else None
+        metrics: dict[str, float] = {"amp/skipped_steps": float(self._skips_seen), "amp/step_skipped": float(skipped)}
+        if self._scale_before is not None:
+            metrics["amp/loss_scale"] = self._scale_before
+        if grad_norm is not None:
+            metrics["amp/grad_norm"] = grad_norm
+        memory = self._memory(trainer) if self.log_memory else {}
+        metrics.update({f"amp/{key}": value for key, value in memory.items()})
+        for key, value in metrics.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
+                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
+        peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
+        self.history.steps.append(StepRecord(step, self._scale_before, skipped, grad_norm, peak))
+        if overflowed:
+            self.history.nonfinite_events.append((step, "overflowed gradients", overflowed))
+        self._watch_skips(trainer)
+        if self._checking(trainer):
+            named = [(n, p) for n, p in pl_module.named_parameters()]
+            self._found(trainer, pl_module, "parameters", nonfinite_names(named))
+
+    # ----------------------------------------------------------------------------------------------- the end
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        print(summary(self.history))
+        if self.report_path is not None:
+            write_chart(self.history, self.report_path)
+            print(f"MixedPrecisionMonitor: chart written to {self.report_path}")
+
+    # -------------------------------------------------------------------------------------------------- helpers
+    @staticmethod
+    def _on_cuda(trainer: pl.Trainer) -> bool:
+        return trainer.strategy.root_device.type == "cuda"
+
+    def _checking(self, trainer: pl.Trainer) -> bool:
+        # global_step counts finished steps: inside the step it is the index of the step being taken.
+        return self.check_interval > 0 and trainer.global_step % self.check_interval == 0
+
+    def _guarded(self, trainer: pl.Trainer) -> bool:
+        """Whether something already checks this step's gradients and skips it on inf/NaN."""
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecisionPlugin):
+            return plugin.skip_nonfinite
+        return trainer.scaler is not None
+
+    def _skip_of_this_step(self, trainer: pl.Trainer) -> tuple[bool, list[str]]:
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecisionPlugin):
+            skipped = plugin.skipped_steps > self._skips_seen
+            self._skips_seen = plugin.skipped_steps
+            return skipped, list(plugin.last_overflow_params) if skipped else []
+        if trainer.scaler is not None and self._scale_before is not None:
+            # torch.amp.GradScaler backs the scale off exactly when it skipped the step.
+            skipped = float(trainer.scaler.get_scale()) < self._scale_before
+            self._skips_seen += int(skipped)
+            return skipped, []
+        return False, []
+
+    def _watch_skips(self, trainer: pl.Trainer) -> None:
+        self._recent.append(self.history.steps[-1].skipped)
+        window = len(self._recent)
+        if window == self.skip_window and sum(self._recent) / window > self.skip_warn_rate:
+            rank_zero_warn(
+                f"MixedPrecisionMonitor: {sum(self._recent)} of the last {window} optimizer steps were skipped for "
+                f"non-finite gradients (more than {self.skip_warn_rate:.0%}); last overflowing parameters: "
+                f"{self.history.nonfinite_events[-1][2] if self.history.nonfinite_events else 'unknown'}. The model "
+                "is barely training: lower the learning rate, clip gradients, or check the data.",
+                category=RuntimeWarning,
+            )
+            self._recent.clear()  # warn at most once per window
+        plugin = trainer.precision_plugin
+        floor = plugin.min_scale if isinstance(plugin, MixedPrecisionPlugin) else None
+        scale = self.history.steps[-1].scale
+        if floor is not None and scale is not None and scale <= floor and not self._floor_warned:
+            self._floor_warned = True
+            rank_zero_warn(
+                f"MixedPrecisionMonitor: the loss scale has reached its floor (min_scale={floor:g}) at step "
+                f"{self.history.steps[-1].step}: gradients overflow even without scaling.",
+                category=RuntimeWarning,
+            )
+
+    def _memory(self, trainer: pl.Trainer) -> dict[str, float]:
+        if self._on_cuda(trainer):
+            return _memory.cuda_memory_mb(trainer.strategy.root_device)
+        if not self._cpu_memory_said:
+            self._cpu_memory_said = True
+            rank_zero_info(
+                "MixedPrecisionMonitor: not on CUDA, so it reports the process's resident memory (amp/cpu_rss_mb) "
+                "instead of CUDA memory."
+            )
+        return {"cpu_rss_mb": _memory.process_rss_mb()}
+
+    def _found(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str]) -> None:
+        if not names:
+            return
+        step = trainer.global_step
+        self.history.nonfinite_events.append((step, kind, names))
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        message = f"MixedPrecisionMonitor: non-finite {kind} at step {step}: {shown}."
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(message + " (on_nonfinite='raise')")
+        if self.on_nonfinite == "stop":
+            self.debug_path = self._save_debug(trainer, pl_module, kind, names)
+            trainer.should_stop = True
+            rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
+            return
+        rank_zero_warn(message)
+
+    def _save_debug(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str]) -> Path:
+        path = Path(trainer.default_root_dir) / f"amp_nonfinite_step{trainer.global_step}.pt"
+        if trainer.is_global_zero:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
+            grads = {n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
+            torch.save(
+                {
+                    "global_step": trainer.global_step,
+                    "kind": kind,
+                    "names": names,
+                    "loss_scale": None if trainer.scaler is None else float(trainer.scaler.get_scale()),
+                    "state_dict": state,
+                    "grads": grads,
+                    "history": [asdict(record) for record in self.history.steps[-100:]],
+                },
+                path,
+            )
+        return path
