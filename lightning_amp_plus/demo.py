@@ -1,8 +1,9 @@
 """The main job until the shipped models land: train a small model with the plugin on generated data.
 
 Run ``python -m lightning_amp_plus`` (or ``amp-plus-demo``). It trains a small MLP classifier on Gaussian blobs made
-offline from a seed, under ``MixedPrecisionPlugin``, shows Lightning's progress bar, then prints the loss-scale history
-(as runs of equal scale), every skipped step, and the accuracy reached.
+offline from a seed, under ``MixedPrecisionPlugin`` with ``MixedPrecisionMonitor`` attached, shows Lightning's progress
+bar (with the loss scale), the monitor's summary, then the loss-scale history (as runs of equal scale), every skipped
+step, and the accuracy reached.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
+from lightning_amp_plus.monitor import MixedPrecisionMonitor
 from lightning_amp_plus.precision import MixedPrecisionPlugin
 from lightning_amp_plus.scaler import DynamicLossScaler
 
@@ -143,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         devices=1,
         max_steps=args.steps,
         plugins=[plugin],
-        callbacks=[history],
+        callbacks=[history, MixedPrecisionMonitor()],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,

@@ -19,6 +19,7 @@ def test_fp16_demo_backs_off_from_an_overflowing_scale_counts_the_skips_and_lear
     assert report["skipped_at"][0] == 0
     assert report["accuracy"] > 0.6  # four classes: chance is 0.25
     out = capsys.readouterr().out
+    assert "MixedPrecisionMonitor: 120 optimizer steps" in out
     assert "loss scale history" in out and "2**24 = 16,777,216" in out and "skipped steps:" in out
 
 
