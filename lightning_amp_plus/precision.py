@@ -189,8 +189,7 @@ class MixedPrecisionPlugin(Precision):
             raise TypeError(
                 f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
                 "closure inside `step()`, where gradients cannot be checked and unscaled first. Use another "
-                "optimizer, or "
-                "MixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False)."
+                "optimizer, or MixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False)."
             )
 
     # ---------------------------------------------------------------------------------------------- autocast
@@ -275,7 +274,7 @@ class MixedPrecisionPlugin(Precision):
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._checker is not None and self._checker.found_inf(optimizer):
-            return  # non-finite gradients: the step will be skipped, clamping them would hide nothing useful
+            return  # non-finite gradients: the step will be skipped, so there is nothing worth clipping
         super().clip_grad_by_value(optimizer, clip_val)
 
     # --------------------------------------------------------------------------------------------- checkpoints
