@@ -112,7 +112,9 @@ class MixedPrecisionMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history = AmpHistory(memory_kind="CUDA memory" if self._on_cuda(trainer) else "process memory")
         self._recent.clear()
-        self._skips_seen = 0
+        # Our plugin's count is a total since the first run, restored from checkpoints: new skips are what it adds.
+        plugin = trainer.precision_plugin
+        self._skips_seen = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0
         self._floor_warned = False
 
     @override
@@ -217,12 +219,14 @@ class MixedPrecisionMonitor(Callback):
             self._recent.clear()  # warn at most once per window
         plugin = trainer.precision_plugin
         floor = plugin.min_scale if isinstance(plugin, MixedPrecisionPlugin) else None
-        scale = self.history.steps[-1].scale
-        if floor is not None and scale is not None and scale <= floor and not self._floor_warned:
+        last = self.history.steps[-1]
+        # Only a step skipped at the floor shows gradients overflowing unscaled (a scale may start at its floor).
+        at_floor = floor is not None and last.scale is not None and last.scale <= floor
+        if at_floor and last.skipped and not self._floor_warned:
             self._floor_warned = True
             rank_zero_warn(
                 f"MixedPrecisionMonitor: the loss scale has reached its floor (min_scale={floor:g}) at step "
-                f"{self.history.steps[-1].step}: gradients overflow even without scaling.",
+                f"{last.step}: gradients overflow even without scaling.",
                 category=RuntimeWarning,
             )
 

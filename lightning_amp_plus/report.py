@@ -76,33 +76,33 @@ def summary(history: AmpHistory) -> str:
     return "MixedPrecisionMonitor: " + "; ".join(parts) + "."
 
 
-def _pyplot() -> Any:
+def _figure_class() -> Any:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only: never needs a display
-        import matplotlib.pyplot as plt
+        # `import matplotlib.figure` also binds (and so needs) the package itself. The chart is drawn on a bare
+        # `Figure`, never through pyplot: no backend is chosen or switched, and the user's figures are left alone.
+        import matplotlib.figure
     except ImportError as error:
         raise ImportError(
             "MixedPrecisionMonitor(report_path=...) draws its chart with matplotlib, which is not installed. "
             "Install it with `pip install 'lightning-amp-plus[report]'` (or `pip install matplotlib`), or drop "
             "`report_path`."
         ) from error
-    return plt
+    return matplotlib.figure.Figure
 
 
 def require_matplotlib() -> None:
     """Raise the clear ``ImportError`` now if the chart could not be drawn later."""
-    _pyplot()
+    _figure_class()
 
 
 def write_chart(history: AmpHistory, path: str | Path) -> Path:
     """Draw loss scale, skipped steps, gradient norm and memory over steps into a PNG at ``path``."""
-    plt = _pyplot()
+    figure_class = _figure_class()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     steps = [r.step for r in history.steps]
-    figure, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+    figure = figure_class(figsize=(8, 9), layout="tight")
+    axes = figure.subplots(4, 1, sharex=True)
     series: list[tuple[str, list[float | None], bool]] = [
         ("loss scale", [r.scale for r in history.steps], True),
         ("skipped steps (total)", [float(i) for i in _cumulative([r.skipped for r in history.steps])], False),
@@ -122,9 +122,7 @@ def write_chart(history: AmpHistory, path: str | Path) -> Path:
         axis.set_ylabel(label)
     axes[-1].set_xlabel("optimizer step (red: skipped)")
     figure.suptitle("lightning-amp-plus: mixed-precision run")
-    figure.tight_layout()
     figure.savefig(path, dpi=100)
-    plt.close(figure)
     return path
 
 

@@ -1,0 +1,216 @@
+"""Benchmark the step-time overhead of ``MixedPrecisionMonitor`` at its default settings.
+
+What is measured
+    The steady-state time of one training step of the small CNN of ``bench_step.py``
+    (conv(3->16)-ReLU-pool-conv(16->32)-ReLU-pool-linear(->10), random 32x32 RGB images, batch 32, SGD with momentum)
+    on CPU, with ``MixedPrecisionMonitor()`` (defaults: parameters checked every step, gradients too where nothing else
+    checks them, memory logged, loss scale on the progress bar) against the same training without it, for:
+
+    * ``32-true``: ``Trainer(precision="32-true")``. The monitor checks the gradients (unguarded there) and the
+      parameters every step, and logs skipped steps and process memory.
+    * ``bf16-mixed``: ``MixedPrecisionPlugin("bf16-mixed", device="cpu")``. The plugin checks the gradients; the
+      monitor checks the parameters and logs skipped steps, the plugin's gradient norm and memory.
+
+    each with two loggers:
+
+    * ``csv``: a ``CSVLogger`` in a temporary directory with ``log_every_n_steps=1``, so every metric the monitor
+      logs is really handed to a logger and written (the cost of logging is part of the overhead).
+    * ``none``: ``logger=False`` (``self.log`` still runs; nothing is written).
+
+How
+    Each configuration runs in a fresh ``Trainer(accelerator="cpu", devices=1, enable_progress_bar=False,
+    enable_model_summary=False, enable_checkpointing=False)`` with the same seed (same weights, same data). A timing
+    callback placed first records ``time.perf_counter()`` at every ``on_train_batch_start``; a step's time is the
+    interval to the next batch's start, so it covers everything the monitor adds: its hooks before and after the
+    optimizer step, and Lightning's handing of the logged metrics to the logger, which runs after the
+    ``on_train_batch_end`` hooks. The first ``--warmup`` steps of every run are dropped. With and without the monitor
+    are interleaved over rounds (A B, B A, ...) so that machine noise affects both alike; no new round starts once
+    ``--budget-s`` seconds have passed (at least two rounds run). Reported per configuration: the median step time of
+    each, their difference (what the monitor adds per step, a cost that does not grow with the model), the ratio of
+    medians with/without, and the median and range of the per-round ratios. Nothing is asserted.
+
+    Target (reported): with/without <= 1.05x.
+
+Run
+    python benchmarks/bench_monitor.py            # about 3-4 minutes on 2 CPU cores (capped by --budget-s)
+    python benchmarks/bench_monitor.py --quick    # under a minute: a smoke test
+    python benchmarks/bench_monitor.py --threads 1   # steadier on a machine shared with other processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from bench_step import SmallCNN  # same directory: the CNN of the step benchmark
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
+
+_TARGET = 1.05
+_BATCH = 32
+_PRECISIONS = ("32-true", "bf16-mixed")
+_LOGGERS = ("csv", "none")
+
+
+class BatchStartClock(pl.Callback):
+    """Records ``time.perf_counter()`` at every batch start; placed first, so it runs before any other callback."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+
+@dataclass
+class Side:
+    """One side of a comparison: with or without the monitor."""
+
+    label: str
+    monitored: bool
+    times: list[float] = field(default_factory=list)
+    round_medians: list[float] = field(default_factory=list)
+
+
+def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: int, seed: int) -> list[float]:
+    """One fresh ``Trainer.fit``; returns the times of the steps after the warm-up, in seconds."""
+    pl.seed_everything(seed, verbose=False)
+    model = SmallCNN()
+    batches = warmup + steps + 1  # the last batch only closes the interval of the one before
+    gen = torch.Generator().manual_seed(seed)
+    n = batches * _BATCH
+    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+    clock = BatchStartClock()
+    callbacks: list[pl.Callback] = [clock]
+    if monitored:
+        callbacks.append(MixedPrecisionMonitor())
+    kwargs: dict[str, Any] = {"precision": "32-true"}
+    if precision == "bf16-mixed":
+        kwargs = {"plugins": [MixedPrecisionPlugin("bf16-mixed", device="cpu")]}
+    with tempfile.TemporaryDirectory() as log_dir:
+        if logger == "csv":
+            kwargs.update(logger=CSVLogger(log_dir), log_every_n_steps=1)
+        else:
+            kwargs.update(logger=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            max_steps=batches,
+            callbacks=callbacks,
+            **kwargs,
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # the monitor's end-of-fit summary
+            trainer.fit(model, DataLoader(data, batch_size=_BATCH, shuffle=False))
+    if len(clock.starts) != batches:
+        raise RuntimeError(f"{precision}/{logger}: expected {batches} batches, clocked {len(clock.starts)}")
+    intervals = [b - a for a, b in zip(clock.starts, clock.starts[1:], strict=False)]
+    return intervals[warmup:]
+
+
+def _quiet() -> None:
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
+    parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
+    parser.add_argument("--loggers", nargs="+", default=list(_LOGGERS), choices=_LOGGERS)
+    parser.add_argument("--rounds", type=int, default=None, help="most interleaved rounds (default 8, quick 2)")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="no new round after this many s (default 200, quick 40)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (default 5)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("FP32", "BF16"),
+        help="timed steps per run for 32-true and bf16-mixed (default 80 20; quick 15 5)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    _quiet()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rounds = args.rounds or (2 if args.quick else 8)
+    budget = args.budget_s if args.budget_s is not None else (40.0 if args.quick else 200.0)
+    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
+    steps_fp32, steps_bf16 = args.steps or ((15, 5) if args.quick else (80, 20))
+    steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16}
+    pairs = {
+        (precision, logger): (Side("without", monitored=False), Side("with", monitored=True))
+        for precision in args.precisions
+        for logger in args.loggers
+    }
+
+    print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
+    print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores if > ~0.3)")
+    print(
+        f"small CNN, batch {_BATCH}, up to {rounds} interleaved rounds ({budget:.0f} s budget), {warmup} warm-up "
+        "steps dropped per run, timed steps per run: " + ", ".join(f"{p} {steps[p]}" for p in args.precisions)
+    )
+    started = time.perf_counter()
+    for r in range(rounds):
+        for (precision, logger), (without, with_) in pairs.items():
+            for side in (without, with_) if r % 2 == 0 else (with_, without):
+                times = run_once(precision, logger, side.monitored, steps[precision], warmup, args.seed + r)
+                side.times.extend(times)
+                side.round_medians.append(statistics.median(times))
+        elapsed = time.perf_counter() - started
+        print(f"  round {r + 1}/{rounds} done ({elapsed:.0f} s, load average {os.getloadavg()[0]:.2f})", flush=True)
+        if r >= 1 and r + 1 < rounds and elapsed > budget:
+            print(f"  time budget of {budget:.0f} s spent: stopping after {r + 1} rounds", flush=True)
+            break
+
+    print()
+    print("## Step time with MixedPrecisionMonitor() vs without (median ms per step; ratios with/without)")
+    print()
+    print(
+        "| precision | logger | without ms | with ms | added ms | ratio of medians "
+        "| per-round ratios: median [min, max] | steps timed each | target |"
+    )
+    print("|---|---|---:|---:|---:|---:|---|---:|---|")
+    for (precision, logger), (without, with_) in pairs.items():
+        m_without, m_with = statistics.median(without.times), statistics.median(with_.times)
+        per_round = [w / wo for w, wo in zip(with_.round_medians, without.round_medians, strict=True)]
+        label = "CSVLogger, every step" if logger == "csv" else "none"
+        print(
+            f"| {precision} | {label} | {m_without * 1e3:.2f} | {m_with * 1e3:.2f} | {(m_with - m_without) * 1e3:+.2f} "
+            f"| {m_with / m_without:.3f}x "
+            f"| {statistics.median(per_round):.3f}x [{min(per_round):.3f}, {max(per_round):.3f}] "
+            f"| {len(with_.times)} | {_verdict(m_with / m_without)} |"
+        )
+    print()
+    print(f"total {time.perf_counter() - started:.0f} s, load average after: {os.getloadavg()[0]:.2f}")
+
+
+def _verdict(ratio: float) -> str:
+    return f"{'met' if ratio <= _TARGET else 'NOT met'} (<= {_TARGET:.2f}x)"
+
+
+if __name__ == "__main__":
+    main()
