@@ -156,6 +156,9 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
 def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """Names of the tensors that hold inf or NaN, found with one pass and one host read.
 
+    One multi-tensor norm per device (float32 accumulation, so large half-precision tensors do not overflow it): a
+    non-finite value makes its tensor's norm non-finite. Names are looked up only when something is wrong.
+
     Example:
         >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")]))])
         ['b']
@@ -163,8 +166,19 @@ def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     if not named:
         return []
     tensors = [tensor.detach() for _, tensor in named]
-    finite = torch.isfinite(squared_norms(tensors, tensors[0].device))
-    if bool(finite.all().item()):  # the one host read; names are looked up only when something is wrong
+    _check_dense(tensors)
+    first = tensors[0].device
+    by_device: dict[torch.device, list[int]] = defaultdict(list)
+    for index, tensor in enumerate(tensors):
+        by_device[tensor.device].append(index)
+    order: list[int] = []
+    norms: list[Tensor] = []
+    for indices in by_device.values():
+        group_norms = torch._foreach_norm([tensors[i] for i in indices], 2, dtype=_NORM_DTYPE)
+        norms.extend(norm.to(first, non_blocking=True) for norm in group_norms)  # a no-op on `first`
+        order.extend(indices)
+    finite = torch.isfinite(torch.stack(norms))
+    if bool(finite.all().item()):  # the one host read
         return []
-    bad = set(torch.nonzero(~finite).flatten().tolist())
+    bad = {order[i] for i in torch.nonzero(~finite).flatten().tolist()}
     return [name for index, (name, _) in enumerate(named) if index in bad]

@@ -27,8 +27,10 @@ _POLICIES = ("warn", "raise", "stop")
 class MixedPrecisionMonitor(Callback):
     """Report the loss scale, skipped steps, gradient norm, non-finite values and memory at every optimizer step.
 
-    Logged with Lightning's ``self.log`` (so TensorBoard, CSV, W&B... all receive them; on rank zero only, at the
-    logger's ``log_every_n_steps``):
+    Logged with Lightning's ``self.log`` (so TensorBoard, CSV, W&B... all receive them), on rank zero only, on the steps
+    Lightning writes to its loggers (``Trainer(log_every_n_steps=...)``; between them only a changed loss scale goes
+    to the progress bar, since each ``self.log`` call costs about a millisecond). Every step is still recorded in
+    :attr:`history` for the summary and the chart:
 
     * ``amp/loss_scale``: the scale this step's gradients were scaled by (absent without a scaler).
     * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when this step was skipped).
@@ -43,7 +45,9 @@ class MixedPrecisionMonitor(Callback):
     and the monitor records which parameters overflowed (the scaler already knows) and warns when the skip rate over
     ``skip_window`` steps passes ``skip_warn_rate``, or when the scale sits at its floor. A finding is handled by
     ``on_nonfinite``: ``"warn"`` names them; ``"raise"`` raises ``FloatingPointError`` naming them; ``"stop"`` saves a
-    debug file (names, step, scale, model state) under ``trainer.default_root_dir`` and ends ``fit`` gracefully.
+    debug file (names, step, scale, model state, gradients) under ``trainer.default_root_dir`` and ends ``fit``
+    gracefully; when nothing else guards the step, its non-finite gradients are dropped first, so the parameters stay
+    as they were.
 
     At the end of ``fit`` a one-paragraph summary is printed (steps, skips and rate, scale range, first and last
     overflow, peak memory, non-finite events) and, with ``report_path``, a PNG chart is written (needs matplotlib:
@@ -85,7 +89,11 @@ class MixedPrecisionMonitor(Callback):
             raise ValueError(f"`{name}(on_nonfinite={on_nonfinite!r})` must be one of {_POLICIES}.")
         if isinstance(skip_window, bool) or not isinstance(skip_window, int) or skip_window < 1:
             raise ValueError(f"`{name}(skip_window={skip_window!r})` must be an int >= 1, e.g. 100.")
-        if not 0.0 <= skip_warn_rate <= 1.0:
+        if (
+            isinstance(skip_warn_rate, bool)
+            or not isinstance(skip_warn_rate, (int, float))
+            or not 0 <= skip_warn_rate <= 1
+        ):
             raise ValueError(f"`{name}(skip_warn_rate={skip_warn_rate!r})` must be a fraction in [0, 1], e.g. 0.05.")
         if report_path is not None:
             require_matplotlib()
@@ -106,6 +114,9 @@ class MixedPrecisionMonitor(Callback):
         self._scale_before: float | None = None
         self._floor_warned = False
         self._cpu_memory_said = False
+        self._log_this_step = True
+        self._bar_scale: float | None = None
+        self._stopping = False
 
     # ------------------------------------------------------------------------------------------------- the step
     @override
@@ -116,13 +127,15 @@ class MixedPrecisionMonitor(Callback):
         plugin = trainer.precision_plugin
         self._skips_seen = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0
         self._floor_warned = False
+        self._stopping = False
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._stepped = False
-        if self.log_memory and self._on_cuda(trainer):
+        self._log_this_step = _logs_this_step(trainer)
+        if self._log_this_step and self.log_memory and self._on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
 
     @override
@@ -135,7 +148,7 @@ class MixedPrecisionMonitor(Callback):
             self._scale_before = None if trainer.scaler is None else float(trainer.scaler.get_scale())
         if self._checking(trainer) and not self._guarded(trainer):
             named = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
-            self._found(trainer, pl_module, "gradients", nonfinite_names(named))
+            self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
 
     @override
     def on_train_batch_end(
@@ -147,24 +160,16 @@ class MixedPrecisionMonitor(Callback):
         skipped, overflowed = self._skip_of_this_step(trainer)
         plugin = trainer.precision_plugin
         grad_norm = plugin.last_grad_norm if isinstance(plugin, MixedPrecisionPlugin) else None
-        metrics: dict[str, float] = {"amp/skipped_steps": float(self._skips_seen), "amp/step_skipped": float(skipped)}
-        if self._scale_before is not None:
-            metrics["amp/loss_scale"] = self._scale_before
-        if grad_norm is not None:
-            metrics["amp/grad_norm"] = grad_norm
-        memory = self._memory(trainer) if self.log_memory else {}
-        metrics.update({f"amp/{key}": value for key, value in memory.items()})
-        for key, value in metrics.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
-                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
+        memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
+        self._log(trainer, pl_module, skipped, grad_norm, memory)
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         self.history.steps.append(StepRecord(step, self._scale_before, skipped, grad_norm, peak))
         if overflowed:
             self.history.nonfinite_events.append((step, "overflowed gradients", overflowed))
         self._watch_skips(trainer)
-        if self._checking(trainer):
+        if self._checking(trainer) and not self._stopping:
             named = [(n, p) for n, p in pl_module.named_parameters()]
-            self._found(trainer, pl_module, "parameters", nonfinite_names(named))
+            self._found(trainer, pl_module, "parameters", nonfinite_names(named), step)
 
     # ----------------------------------------------------------------------------------------------- the end
     @override
@@ -177,6 +182,30 @@ class MixedPrecisionMonitor(Callback):
             print(f"MixedPrecisionMonitor: chart written to {self.report_path}")
 
     # -------------------------------------------------------------------------------------------------- helpers
+    def _log(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        skipped: bool,
+        grad_norm: float | None,
+        memory: dict[str, float],
+    ) -> None:
+        # `self.log` costs about a millisecond a call, so the metrics are logged only on the steps Lightning writes
+        # to its loggers; between them only a changed loss scale is logged, for the progress bar.
+        scale = self._scale_before
+        metrics: dict[str, float] = {}
+        if scale is not None and (self._log_this_step or (self.prog_bar and scale != self._bar_scale)):
+            metrics["amp/loss_scale"] = self._bar_scale = scale
+        if self._log_this_step:
+            metrics["amp/skipped_steps"] = float(self._skips_seen)
+            metrics["amp/step_skipped"] = float(skipped)
+            if grad_norm is not None:
+                metrics["amp/grad_norm"] = grad_norm
+            metrics.update({f"amp/{key}": value for key, value in memory.items()})
+        for key, value in metrics.items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
+                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
+
     @staticmethod
     def _on_cuda(trainer: pl.Trainer) -> bool:
         return trainer.strategy.root_device.type == "cuda"
@@ -212,8 +241,8 @@ class MixedPrecisionMonitor(Callback):
             rank_zero_warn(
                 f"MixedPrecisionMonitor: {sum(self._recent)} of the last {window} optimizer steps were skipped for "
                 f"non-finite gradients (more than {self.skip_warn_rate:.0%}); last overflowing parameters: "
-                f"{self.history.nonfinite_events[-1][2] if self.history.nonfinite_events else 'unknown'}. The model "
-                "is barely training: lower the learning rate, clip gradients, or check the data.",
+                f"{self.history.nonfinite_events[-1][2] if self.history.nonfinite_events else 'unknown'}. If it "
+                "persists, lower the learning rate, clip gradients, or check the data for inf/NaN.",
                 category=RuntimeWarning,
             )
             self._recent.clear()  # warn at most once per window
@@ -241,10 +270,11 @@ class MixedPrecisionMonitor(Callback):
             )
         return {"cpu_rss_mb": _memory.process_rss_mb()}
 
-    def _found(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str]) -> None:
+    def _found(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str], step: int
+    ) -> None:
         if not names:
             return
-        step = trainer.global_step
         self.history.nonfinite_events.append((step, kind, names))
         shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
         message = f"MixedPrecisionMonitor: non-finite {kind} at step {step}: {shown}."
@@ -253,6 +283,11 @@ class MixedPrecisionMonitor(Callback):
         if self.on_nonfinite == "stop":
             self.debug_path = self._save_debug(trainer, pl_module, kind, names)
             trainer.should_stop = True
+            self._stopping = True
+            if kind == "gradients":
+                # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
+                for param in pl_module.parameters():
+                    param.grad = None
             rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
             return
         rank_zero_warn(message)
@@ -276,3 +311,12 @@ class MixedPrecisionMonitor(Callback):
                 path,
             )
         return path
+
+
+def _logs_this_step(trainer: pl.Trainer) -> bool:
+    """Whether Lightning writes this training step's metrics to its loggers (``log_every_n_steps``, or stopping).
+
+    Asked the way Lightning's own ``LearningRateMonitor`` asks it; outside a running loop the answer is yes.
+    """
+    connector = getattr(trainer, "_logger_connector", None)
+    return True if connector is None else bool(connector.should_update_logs)

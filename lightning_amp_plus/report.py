@@ -110,7 +110,12 @@ def write_chart(history: AmpHistory, path: str | Path) -> Path:
         (f"{history.memory_kind} (MB)", [r.memory_mb for r in history.steps], False),
     ]
     for axis, (label, values, log) in zip(axes, series, strict=True):
-        points = [(s, v) for s, v in zip(steps, values, strict=True) if v is not None and math.isfinite(v) and v > 0]
+        # A log axis cannot show 0; a linear one can (a run with no skips draws a flat line at 0).
+        points = [
+            (s, v)
+            for s, v in zip(steps, values, strict=True)
+            if v is not None and math.isfinite(v) and (v > 0 or not log)
+        ]
         if points:
             axis.plot([s for s, _ in points], [v for _, v in points], drawstyle="steps-post")
             if log:

@@ -341,8 +341,9 @@ def test_log_memory_false_logs_no_memory(tmp_path):
 
 # ---------------------------------------------------------------------------------- a parameter that turns NaN
 # Under the bf16 plugin (which skips steps with non-finite gradients) the NaN weight makes every later step skip, so
-# net.0.weight stays the only non-finite parameter. It turns NaN once 3 steps are done; the monitor checks the
-# parameters after each step and finds it after the 4th (trainer.global_step == 4).
+# net.0.weight stays the only non-finite parameter. It turns NaN once 3 steps are done (after the monitor's check of
+# that batch); the monitor checks the parameters after each step and finds it after the next one, step index 3 (events
+# carry the index of the optimizer step after which they were found, as overflow events and history do).
 NAN_AT = 3
 
 
@@ -350,16 +351,16 @@ def test_warn_policy_warns_naming_the_nan_parameter():
     monitor = MixedPrecisionMonitor(on_nonfinite="warn")
     run, caught = fit_catching_warnings(Faulty(nan_weight_at=NAN_AT), bf16_plugin(), monitor=monitor)
     said = messages(caught, "non-finite")
-    assert said[0] == "MixedPrecisionMonitor: non-finite parameters at step 4: net.0.weight."
+    assert said[0] == "MixedPrecisionMonitor: non-finite parameters at step 3: net.0.weight."
     assert all(w.category is UserWarning for w in caught if "non-finite" in str(w.message))
     assert run.trainer.global_step == 6  # warning does not stop training
     found_at = [step for step, kind, _ in run.monitor.history.nonfinite_events if kind == "parameters"]
-    assert found_at == [4, 5, 6]
+    assert found_at == [3, 4, 5]
 
 
 def test_raise_policy_raises_floating_point_error_naming_the_nan_parameter():
     model = Faulty(nan_weight_at=NAN_AT)
-    with pytest.raises(FloatingPointError, match=re.escape("non-finite parameters at step 4: net.0.weight.")):
+    with pytest.raises(FloatingPointError, match=re.escape("non-finite parameters at step 3: net.0.weight.")):
         fit(model, bf16_plugin(), monitor=MixedPrecisionMonitor(on_nonfinite="raise"))
     assert model.trainer.global_step == 4
 
@@ -392,7 +393,8 @@ def test_check_interval_reports_a_nan_parameter_at_the_next_multiple_and_not_bef
     monitor = MixedPrecisionMonitor(check_interval=5)
     fit_catching_warnings(Faulty(nan_weight_at=7), bf16_plugin(), monitor=monitor, steps=16)
     found_at = [step for step, kind, _ in monitor.history.nonfinite_events if kind == "parameters"]
-    assert found_at == [10, 15]
+    # Checked after every 5th step (indices 4, 9, 14): the NaN set after step index 6 is first seen after index 9.
+    assert found_at == [9, 14]
 
 
 @pytest.mark.parametrize("precision", ["bf16-plugin", "32-true"])
@@ -629,3 +631,27 @@ def test_cuda_memory_is_logged_with_peak_at_least_allocated(tmp_path):
         assert r >= a
     assert "amp/cpu_rss_mb" not in metrics
     assert run.monitor.history.memory_kind == "CUDA memory"
+
+
+# ------------------------------------------------------------------------------------- cost: when it logs, stopping
+def test_metrics_are_logged_only_on_the_steps_lightning_writes_yet_every_step_is_in_the_history(tmp_path):
+    run = fit(Faulty(overflow_steps={6}), fp16_plugin(growth_interval=100), steps=12, log_dir=tmp_path,
+              log_every_n_steps=5)  # fmt: skip
+    columns = read_csv(run.trainer.logger.log_dir)
+    logged = [step for step, scale in zip(columns["step"], columns["amp/loss_scale"], strict=True) if scale == scale]
+    assert logged == [4.0, 9.0]  # Lightning writes after steps 5 and 10 (indices 4 and 9)
+    assert [record.step for record in run.monitor.history.steps] == list(range(12))
+    # The scale backed off after step 6, between two written steps: the progress bar still shows the new scale.
+    assert run.trainer.progress_bar_metrics["amp/loss_scale"] == 2.0**9
+
+
+def test_stop_on_unguarded_non_finite_gradients_drops_them_so_the_parameters_stay_finite(tmp_path):
+    model = Faulty(grad_inf_steps={3})
+    monitor = MixedPrecisionMonitor(on_nonfinite="stop")
+    run, _ = fit_catching_warnings(model, None, monitor=monitor, default_root_dir=tmp_path)
+    assert run.trainer.global_step == 4  # the step with the inf gradient was the last
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert [kind for _, kind, _ in monitor.history.nonfinite_events] == ["gradients"]
+    assert monitor.debug_path is not None and sorted(p.name for p in tmp_path.glob("amp_nonfinite_*.pt")) == [
+        monitor.debug_path.name
+    ]
