@@ -11,7 +11,9 @@ What is measured
     * ``bf16-mixed``: ``MixedPrecisionPlugin("bf16-mixed", device="cpu")``. The plugin checks the gradients; the
       monitor checks the parameters and logs skipped steps, the plugin's gradient norm and memory.
 
-    each with two loggers:
+    each with three loggers:
+
+    * ``csv-default``: a ``CSVLogger`` with the Trainer's default ``log_every_n_steps`` (50): the default settings.
 
     * ``csv``: a ``CSVLogger`` in a temporary directory with ``log_every_n_steps=1``, so every metric the monitor
       logs is really handed to a logger and written (the cost of logging is part of the overhead).
@@ -62,7 +64,7 @@ from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
 _TARGET = 1.05
 _BATCH = 32
 _PRECISIONS = ("32-true", "bf16-mixed")
-_LOGGERS = ("csv", "none")
+_LOGGERS = ("csv-default", "csv", "none")
 
 
 class BatchStartClock(pl.Callback):
@@ -103,6 +105,8 @@ def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: i
     with tempfile.TemporaryDirectory() as log_dir:
         if logger == "csv":
             kwargs.update(logger=CSVLogger(log_dir), log_every_n_steps=1)
+        elif logger == "csv-default":
+            kwargs.update(logger=CSVLogger(log_dir))
         else:
             kwargs.update(logger=False)
         trainer = pl.Trainer(
@@ -197,7 +201,9 @@ def main() -> None:
     for (precision, logger), (without, with_) in pairs.items():
         m_without, m_with = statistics.median(without.times), statistics.median(with_.times)
         per_round = [w / wo for w, wo in zip(with_.round_medians, without.round_medians, strict=True)]
-        label = "CSVLogger, every step" if logger == "csv" else "none"
+        label = {"csv": "CSVLogger, every step", "csv-default": "CSVLogger, default (every 50 steps)"}.get(
+            logger, "none"
+        )
         print(
             f"| {precision} | {label} | {m_without * 1e3:.2f} | {m_with * 1e3:.2f} | {(m_with - m_without) * 1e3:+.2f} "
             f"| {m_with / m_without:.3f}x "

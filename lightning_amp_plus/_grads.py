@@ -165,18 +165,22 @@ def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """
     if not named:
         return []
-    tensors = [tensor.detach() for _, tensor in named]
+    tensors = [tensor for _, tensor in named]
     _check_dense(tensors)
     first = tensors[0].device
-    by_device: dict[torch.device, list[int]] = defaultdict(list)
-    for index, tensor in enumerate(tensors):
-        by_device[tensor.device].append(index)
-    order: list[int] = []
-    norms: list[Tensor] = []
-    for indices in by_device.values():
-        group_norms = torch._foreach_norm([tensors[i] for i in indices], 2, dtype=_NORM_DTYPE)
-        norms.extend(norm.to(first, non_blocking=True) for norm in group_norms)  # a no-op on `first`
-        order.extend(indices)
+    with torch.no_grad():
+        if all(tensor.device == first for tensor in tensors):  # the usual case: one multi-tensor call
+            order: list[int] = list(range(len(tensors)))
+            norms = list(torch._foreach_norm(tensors, 2, dtype=_NORM_DTYPE))
+        else:
+            by_device: dict[torch.device, list[int]] = defaultdict(list)
+            for index, tensor in enumerate(tensors):
+                by_device[tensor.device].append(index)
+            order, norms = [], []
+            for indices in by_device.values():
+                group_norms = torch._foreach_norm([tensors[i] for i in indices], 2, dtype=_NORM_DTYPE)
+                norms.extend(norm.to(first, non_blocking=True) for norm in group_norms)
+                order.extend(indices)
     finite = torch.isfinite(torch.stack(norms))
     if bool(finite.all().item()):  # the one host read
         return []

@@ -117,6 +117,7 @@ class MixedPrecisionMonitor(Callback):
         self._log_this_step = True
         self._bar_scale: float | None = None
         self._stopping = False
+        self._named: list[tuple[str, torch.nn.Parameter]] = []
 
     # ------------------------------------------------------------------------------------------------- the step
     @override
@@ -128,6 +129,8 @@ class MixedPrecisionMonitor(Callback):
         self._skips_seen = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0
         self._floor_warned = False
         self._stopping = False
+        # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
+        self._named = list(pl_module.named_parameters())
 
     @override
     def on_train_batch_start(
@@ -147,7 +150,7 @@ class MixedPrecisionMonitor(Callback):
             # The scale this step's gradients carry (the scaler updates after the step). Free under our plugin.
             self._scale_before = None if trainer.scaler is None else float(trainer.scaler.get_scale())
         if self._checking(trainer) and not self._guarded(trainer):
-            named = [(n, p.grad) for n, p in pl_module.named_parameters() if p.grad is not None]
+            named = [(n, p.grad) for n, p in self._named if p.grad is not None]
             self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
 
     @override
@@ -168,8 +171,7 @@ class MixedPrecisionMonitor(Callback):
             self.history.nonfinite_events.append((step, "overflowed gradients", overflowed))
         self._watch_skips(trainer)
         if self._checking(trainer) and not self._stopping:
-            named = [(n, p) for n, p in pl_module.named_parameters()]
-            self._found(trainer, pl_module, "parameters", nonfinite_names(named), step)
+            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), step)
 
     # ----------------------------------------------------------------------------------------------- the end
     @override
