@@ -43,7 +43,8 @@ class MixedPrecisionMonitor(Callback):
     and names them. Gradients are checked too when nothing else guards the step (``32-true``, or bf16 without the
     plugin's skip); under a loss scaler, non-finite gradients are ordinary overflows: the step is skipped and counted,
     and the monitor records which parameters overflowed (the scaler already knows) and warns when the skip rate over
-    ``skip_window`` steps passes ``skip_warn_rate``, or when the scale sits at its floor. A finding is handled by
+    ``skip_window`` steps passes ``skip_warn_rate`` (counted from the first applied step: the skips while the scale
+    descends from ``init_scale`` are expected), or when the scale sits at its floor. A finding is handled by
     ``on_nonfinite``: ``"warn"`` names them; ``"raise"`` raises ``FloatingPointError`` naming them; ``"stop"`` saves a
     debug file (names, step, scale, model state, gradients) under ``trainer.default_root_dir`` and ends ``fit``
     gracefully; when nothing else guards the step, its non-finite gradients are dropped first, so the parameters stay
@@ -237,7 +238,9 @@ class MixedPrecisionMonitor(Callback):
         return False, []
 
     def _watch_skips(self, trainer: pl.Trainer) -> None:
-        self._recent.append(self.history.steps[-1].skipped)
+        # Skips before the first applied step are the scale finding its level from `init_scale`, not a problem.
+        if self._recent or not self.history.steps[-1].skipped:
+            self._recent.append(self.history.steps[-1].skipped)
         window = len(self._recent)
         if window == self.skip_window and sum(self._recent) / window > self.skip_warn_rate:
             rank_zero_warn(

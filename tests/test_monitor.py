@@ -18,7 +18,7 @@ import math
 import re
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -37,15 +37,6 @@ pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 NAN = float("nan")
 ALL_PARAMETERS = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    # Tiny matrices: a second intra-op thread only adds synchronisation (see test_precision.py).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -655,3 +646,10 @@ def test_stop_on_unguarded_non_finite_gradients_drops_them_so_the_parameters_sta
     assert monitor.debug_path is not None and sorted(p.name for p in tmp_path.glob("amp_nonfinite_*.pt")) == [
         monitor.debug_path.name
     ]
+
+
+def test_skips_while_the_scale_first_descends_from_init_scale_do_not_count_towards_the_skip_rate():
+    # Steps 0-3 overflow before any step was applied (the scale finding its level), then 1 of the next 10 (10% < 20%).
+    assert _skip_warnings({0, 1, 2, 3, 8}, steps=14) == []
+    # The same overflows after an applied step do count: 4 of 10 > 20%.
+    assert len(_skip_warnings({1, 2, 3, 4}, steps=11)) == 1

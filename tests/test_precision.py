@@ -58,16 +58,6 @@ SCHEDULER_ORDER_WARNING = "Detected call of `lr_scheduler.step()` before `optimi
 UNSCALED_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread() -> Iterator[None]:
-    # The matrices here are tiny: a second intra-op thread only adds synchronisation, and while the other core is busy
-    # it stalls CPU fp16 matmuls about 10x (measured: 1.2 s vs 12 s for 400 steps). One thread keeps the file fast.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def plugin_for(precision: str, **scaler_kwargs: Any) -> MixedPrecisionPlugin:
     if precision == "16-mixed":
         scaler = DynamicLossScaler(**{"init_scale": 2.0**10, **scaler_kwargs})
