@@ -165,7 +165,7 @@ class MixedPrecisionMonitor(Callback):
         plugin = trainer.precision_plugin
         grad_norm = plugin.last_grad_norm if isinstance(plugin, MixedPrecisionPlugin) else None
         memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
-        self._log(trainer, pl_module, skipped, grad_norm, memory)
+        self._log(pl_module, skipped, grad_norm, memory)
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         self.history.steps.append(StepRecord(step, self._scale_before, skipped, grad_norm, peak))
         if overflowed:
@@ -187,7 +187,6 @@ class MixedPrecisionMonitor(Callback):
     # -------------------------------------------------------------------------------------------------- helpers
     def _log(
         self,
-        trainer: pl.Trainer,
         pl_module: pl.LightningModule,
         skipped: bool,
         grad_norm: float | None,
