@@ -44,17 +44,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import logging
-import os
-import statistics
 import tempfile
 import time
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _ab import Ratio, Side, load, quiet, run_interleaved, verdict  # same directory
 from bench_step import SmallCNN  # same directory: the CNN of the step benchmark
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -78,13 +75,10 @@ class BatchStartClock(pl.Callback):
 
 
 @dataclass
-class Side:
+class Monitored(Side):
     """One side of a comparison: with or without the monitor."""
 
-    label: str
-    monitored: bool
-    times: list[float] = field(default_factory=list)
-    round_medians: list[float] = field(default_factory=list)
+    monitored: bool = False
 
 
 def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: int, seed: int) -> list[float]:
@@ -127,14 +121,6 @@ def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: i
     return intervals[warmup:]
 
 
-def _quiet() -> None:
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
@@ -157,7 +143,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    _quiet()
+    quiet(".*smaller than the logging interval.*")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 8)
@@ -166,29 +152,24 @@ def main() -> None:
     steps_fp32, steps_bf16 = args.steps or ((15, 5) if args.quick else (80, 20))
     steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16}
     pairs = {
-        (precision, logger): (Side("without", monitored=False), Side("with", monitored=True))
+        (precision, logger): (Monitored("without", monitored=False), Monitored("with", monitored=True))
         for precision in args.precisions
         for logger in args.loggers
     }
 
     print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
-    print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores if > ~0.3)")
+    print(f"load average before the run: {load():.2f} (other processes share these cores if > ~0.3)")
     print(
         f"small CNN, batch {_BATCH}, up to {rounds} interleaved rounds ({budget:.0f} s budget), {warmup} warm-up "
         "steps dropped per run, timed steps per run: " + ", ".join(f"{p} {steps[p]}" for p in args.precisions)
     )
-    started = time.perf_counter()
-    for r in range(rounds):
-        for (precision, logger), (without, with_) in pairs.items():
-            for side in (without, with_) if r % 2 == 0 else (with_, without):
-                times = run_once(precision, logger, side.monitored, steps[precision], warmup, args.seed + r)
-                side.times.extend(times)
-                side.round_medians.append(statistics.median(times))
-        elapsed = time.perf_counter() - started
-        print(f"  round {r + 1}/{rounds} done ({elapsed:.0f} s, load average {os.getloadavg()[0]:.2f})", flush=True)
-        if r >= 1 and r + 1 < rounds and elapsed > budget:
-            print(f"  time budget of {budget:.0f} s spent: stopping after {r + 1} rounds", flush=True)
-            break
+
+    def run(key: tuple[str, str], side: Side, r: int) -> list[float]:
+        assert isinstance(side, Monitored)
+        precision, logger = key
+        return run_once(precision, logger, side.monitored, steps[precision], warmup, args.seed + r)
+
+    spent = run_interleaved(pairs, run, rounds, budget)  # type: ignore[arg-type]
 
     print()
     print("## Step time with MixedPrecisionMonitor() vs without (median ms per step; ratios with/without)")
@@ -199,23 +180,17 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|---|---:|---|")
     for (precision, logger), (without, with_) in pairs.items():
-        m_without, m_with = statistics.median(without.times), statistics.median(with_.times)
-        per_round = [w / wo for w, wo in zip(with_.round_medians, without.round_medians, strict=True)]
+        ratio = Ratio.of(with_, without)
         label = {"csv": "CSVLogger, every step", "csv-default": "CSVLogger, default (every 50 steps)"}.get(
             logger, "none"
         )
         print(
-            f"| {precision} | {label} | {m_without * 1e3:.2f} | {m_with * 1e3:.2f} | {(m_with - m_without) * 1e3:+.2f} "
-            f"| {m_with / m_without:.3f}x "
-            f"| {statistics.median(per_round):.3f}x [{min(per_round):.3f}, {max(per_round):.3f}] "
-            f"| {len(with_.times)} | {_verdict(m_with / m_without)} |"
+            f"| {precision} | {label} | {ratio.b_ms:.2f} | {ratio.a_ms:.2f} | {ratio.a_ms - ratio.b_ms:+.2f} "
+            f"| {ratio.of_medians:.3f}x | {ratio.per_round()} | {len(with_.times)} "
+            f"| {verdict(ratio.of_medians, _TARGET)} |"
         )
     print()
-    print(f"total {time.perf_counter() - started:.0f} s, load average after: {os.getloadavg()[0]:.2f}")
-
-
-def _verdict(ratio: float) -> str:
-    return f"{'met' if ratio <= _TARGET else 'NOT met'} (<= {_TARGET:.2f}x)"
+    print(f"total {spent:.0f} s, load average after: {load():.2f}")
 
 
 if __name__ == "__main__":

@@ -39,18 +39,15 @@ Run
 from __future__ import annotations
 
 import argparse
-import logging
-import os
-import statistics
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from _ab import Ratio, Side, load, quiet, run_interleaved, verdict  # same directory
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -101,13 +98,10 @@ class StepTimer(pl.Callback):
 
 
 @dataclass
-class Config:
+class Config(Side):
     """One side of a comparison: a label and how to build the Trainer's precision arguments."""
 
-    label: str
-    trainer_kwargs: Callable[[], dict[str, Any]]
-    times: list[float] = field(default_factory=list)
-    round_medians: list[float] = field(default_factory=list)
+    trainer_kwargs: Callable[[], dict[str, Any]] = dict
 
 
 def _pairs(precisions: list[str]) -> dict[str, tuple[Config, Config]]:
@@ -116,13 +110,18 @@ def _pairs(precisions: list[str]) -> dict[str, tuple[Config, Config]]:
     for precision in precisions:
         if precision == "32-true":
             table[precision] = (
-                Config("32-true A", lambda: {"precision": "32-true"}),
-                Config("32-true B", lambda: {"precision": "32-true"}),
+                Config("32-true A", trainer_kwargs=lambda: {"precision": "32-true"}),
+                Config("32-true B", trainer_kwargs=lambda: {"precision": "32-true"}),
             )
         else:
             table[precision] = (
-                Config(f"ours {precision}", lambda p=precision: {"plugins": [MixedPrecisionPlugin(p, device="cpu")]}),
-                Config(f"Lightning {precision}", lambda p=precision: {"plugins": [MixedPrecision(p, "cpu")]}),
+                Config(
+                    f"ours {precision}",
+                    trainer_kwargs=lambda p=precision: {"plugins": [MixedPrecisionPlugin(p, device="cpu")]},
+                ),
+                Config(
+                    f"Lightning {precision}", trainer_kwargs=lambda p=precision: {"plugins": [MixedPrecision(p, "cpu")]}
+                ),
             )
     return table
 
@@ -152,14 +151,6 @@ def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
     return timer.times[warmup:]
 
 
-def _quiet() -> None:
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*fp16 autocast is correct there but slow.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
@@ -181,7 +172,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    _quiet()
+    quiet(".*fp16 autocast is correct there but slow.*")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     rounds = args.rounds or (2 if args.quick else 8)
@@ -192,25 +183,18 @@ def main() -> None:
     pairs = _pairs(args.precisions)
 
     print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
-    print(f"load average before the run: {os.getloadavg()[0]:.2f} (other processes share these cores if > ~0.3)")
+    print(f"load average before the run: {load():.2f} (other processes share these cores if > ~0.3)")
     print(
         f"small CNN, batch {_BATCH}, up to {rounds} interleaved rounds ({budget:.0f} s budget), {warmup} warm-up "
         "steps dropped per run, timed steps "
         f"per run: " + ", ".join(f"{p} {steps[p]}" for p in args.precisions)
     )
-    started = time.perf_counter()
-    for r in range(rounds):
-        for precision, (a, b) in pairs.items():
-            order = (a, b) if r % 2 == 0 else (b, a)
-            for config in order:
-                times = run_once(config, steps[precision], warmup, args.seed + r)
-                config.times.extend(times)
-                config.round_medians.append(statistics.median(times))
-        elapsed = time.perf_counter() - started
-        print(f"  round {r + 1}/{rounds} done ({elapsed:.0f} s, load average {os.getloadavg()[0]:.2f})", flush=True)
-        if r >= 1 and r + 1 < rounds and elapsed > budget:
-            print(f"  time budget of {budget:.0f} s spent: stopping after {r + 1} rounds", flush=True)
-            break
+
+    def run(precision: str, side: Side, r: int) -> list[float]:
+        assert isinstance(side, Config)
+        return run_once(side, steps[precision], warmup, args.seed + r)
+
+    spent = run_interleaved(pairs, run, rounds, budget)  # type: ignore[arg-type]
 
     print()
     print("## Training step time (median ms per step over all timed steps; ratios ours/Lightning)")
@@ -221,20 +205,15 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---|---:|---|")
     for precision, (a, b) in pairs.items():
-        ma, mb = statistics.median(a.times), statistics.median(b.times)
-        per_round = [x / y for x, y in zip(a.round_medians, b.round_medians, strict=True)]
-        target = "n/a (A/A noise floor)" if precision == "32-true" else _verdict(ma / mb)
+        ratio = Ratio.of(a, b)
+        target = "n/a (A/A noise floor)" if precision == "32-true" else verdict(ratio.of_medians, _TARGET)
         print(
-            f"| {precision} | {ma * 1e3:.2f} | {mb * 1e3:.2f} | {ma / mb:.3f}x | {statistics.median(per_round):.3f}x "
-            f"[{min(per_round):.3f}, {max(per_round):.3f}] | {len(a.times)} | {target} |"
+            f"| {precision} | {ratio.a_ms:.2f} | {ratio.b_ms:.2f} | {ratio.of_medians:.3f}x | {ratio.per_round()} "
+            f"| {len(a.times)} | {target} |"
         )
     print()
     print("32-true: the same configuration twice (A, B); its ratio is the noise floor of this machine.")
-    print(f"total {time.perf_counter() - started:.0f} s, load average after: {os.getloadavg()[0]:.2f}")
-
-
-def _verdict(ratio: float) -> str:
-    return f"{'met' if ratio <= _TARGET else 'NOT met'} (<= {_TARGET:.2f}x)"
+    print(f"total {spent:.0f} s, load average after: {load():.2f}")
 
 
 if __name__ == "__main__":
