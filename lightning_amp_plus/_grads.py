@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_amp_plus._float32 import f32
 
-__all__ = ["clip_by_norm_", "nonfinite_names", "squared_norms", "unscale_and_measure_"]
+__all__ = ["clip_by_norm_", "nonfinite_names", "unscale_and_measure_"]
 
 # Squared norms are accumulated in float32 whatever the gradient dtype, so fp16 gradients do not overflow the sum.
 _NORM_DTYPE = torch.float32
@@ -110,11 +110,6 @@ def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float | None, out_d
     for indices, squared in pieces:
         result[torch.tensor(indices, device=out_device)] = squared
     return result
-
-
-def squared_norms(grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
-    """Squared L2 norm of each gradient, without modifying any (``unscale_and_measure_`` with a scale of 1)."""
-    return unscale_and_measure_(grads, None, out_device)
 
 
 def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, eps: float = 1e-6) -> float:

@@ -24,8 +24,6 @@ from lightning_amp_plus._policy import ScalePolicy
 __all__ = ["DynamicLossScaler"]
 
 _FLOAT32 = torch.finfo(torch.float32)
-# Keys of ``torch.amp.GradScaler.state_dict()``: ours is a superset, so a GradScaler state loads here and back.
-_GRADSCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _HYPERPARAMETERS = (
     "growth_factor",
     "backoff_factor",

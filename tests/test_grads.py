@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_amp_plus._grads import clip_by_norm_, squared_norms, unscale_and_measure_
+from lightning_amp_plus._grads import clip_by_norm_, unscale_and_measure_
 
 CPU = torch.device("cpu")
 
@@ -46,25 +46,25 @@ def test_overflow_created_by_the_unscale_itself_is_caught() -> None:
 def test_fp16_gradients_do_not_overflow_their_norm_accumulation() -> None:
     # The squared norm of these fp16 values (~1e9) is far beyond fp16's 65504: it is accumulated in float32.
     g = [torch.full((1000,), 1000.0, dtype=torch.float16)]
-    squared = squared_norms(g, CPU)
+    squared = unscale_and_measure_(g, None, CPU)
     torch.testing.assert_close(squared, torch.tensor([1e9]), rtol=1e-6, atol=0)
 
 
 def test_measuring_without_a_scale_leaves_gradients_untouched() -> None:
     g = grads()
     before = [t.clone() for t in g]
-    squared_norms(g, CPU)
+    unscale_and_measure_(g, None, CPU)
     for got, want in zip(g, before, strict=True):
         assert torch.equal(got, want)
 
 
 def test_gradients_of_mixed_dtypes_keep_their_order() -> None:
     g = [torch.tensor([3.0]), torch.tensor([4.0], dtype=torch.float16), torch.tensor([5.0], dtype=torch.bfloat16)]
-    assert squared_norms(g, CPU).tolist() == [9.0, 16.0, 25.0]
+    assert unscale_and_measure_(g, None, CPU).tolist() == [9.0, 16.0, 25.0]
 
 
 def test_no_gradients_give_an_empty_result() -> None:
-    assert squared_norms([], CPU).numel() == 0
+    assert unscale_and_measure_([], None, CPU).numel() == 0
 
 
 def test_sparse_gradients_are_refused_with_a_clear_error() -> None:
