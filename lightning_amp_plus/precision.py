@@ -5,7 +5,7 @@ A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal, cast
 
@@ -19,6 +19,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _schedulers
+from lightning_amp_plus._master import MasterWeights, convert_to_half_, default_fp32_modules
 from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["MixedPrecisionPlugin"]
@@ -52,6 +53,14 @@ class MixedPrecisionPlugin(Precision):
             step was skipped (on by default). Off, schedulers step as in Lightning's built-in plugin.
         max_consecutive_skips: for bf16, how many skipped steps in a row stop training with a diagnosis (``None``
             never). For fp16 the scaler's own ``max_consecutive_skips`` applies.
+        master_weights: hold the model in the half dtype (fp16 or bf16) and let the optimizer step FP32 master copies
+            (see the README's "FP32 master weights"). Off by default: the model stays FP32, as with Lightning's plugin.
+        keep_fp32: with ``master_weights``, the module types whose parameters and buffers stay FP32 (``None``:
+            normalisation layers, see :func:`~lightning_amp_plus._master.default_fp32_modules`; ``()``: none).
+        fp32_grad_accumulation: with ``master_weights`` and gradient accumulation, add each micro-batch's half
+            gradients into FP32 master gradients right after its backward (kept between micro-batches: 4 bytes per
+            parameter) instead of accumulating in the model's half gradients (the default, which rounds each sum to
+            the half dtype). Single-process only.
 
     Attributes:
         scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it.
@@ -63,6 +72,8 @@ class MixedPrecisionPlugin(Precision):
         >>> trainer = Trainer(plugins=[plugin], accelerator="cpu", logger=False, enable_progress_bar=False)
         >>> trainer.precision, trainer.scaler
         ('bf16-mixed', None)
+        >>> MixedPrecisionPlugin("16-mixed", master_weights=True).master_weights
+        True
     """
 
     def __init__(
@@ -74,6 +85,9 @@ class MixedPrecisionPlugin(Precision):
         skip_nonfinite: bool = True,
         hold_schedulers_on_skip: bool = True,
         max_consecutive_skips: int | None = 50,
+        master_weights: bool = False,
+        keep_fp32: Sequence[type[nn.Module]] | None = None,
+        fp32_grad_accumulation: bool = False,
     ) -> None:
         name = type(self).__name__
         if precision not in _PRECISIONS:
@@ -90,8 +104,18 @@ class MixedPrecisionPlugin(Precision):
                 f"`{name}(precision='bf16-mixed', scaler=...)`: bf16 has fp32's range and needs no loss scaling. "
                 "Drop `scaler`, or use precision='16-mixed'."
             )
+        _check_master_options(name, master_weights, keep_fp32, fp32_grad_accumulation)
         self.precision = precision
         self.device = None if device is None else device.split(":")[0]
+        self.master_weights = master_weights
+        self.keep_fp32: tuple[type[nn.Module], ...] = default_fp32_modules() if keep_fp32 is None else tuple(keep_fp32)
+        self.fp32_grad_accumulation = fp32_grad_accumulation
+        # Master state: FP32 values of the half parameters (from the conversion, then the masters themselves, so a
+        # second fit continues from them), the masters of each optimizer, and the hook that saves them.
+        self._fp32_values: dict[Tensor, Tensor] = {}
+        self._masters: dict[int, MasterWeights] = {}
+        self._master_names: dict[str, Tensor] = {}
+        self._state_dict_hook: Any = None
         self.scaler: DynamicLossScaler | None = None
         if precision == "16-mixed":
             self.scaler = scaler if scaler is not None else DynamicLossScaler()
@@ -144,14 +168,37 @@ class MixedPrecisionPlugin(Precision):
         """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
         return self._ledger.held_steps
 
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The autocast dtype (and, with ``master_weights``, the model's): ``torch.float16`` or ``torch.bfloat16``."""
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    def master_params(self, optimizer: Optimizer) -> list[Tensor]:
+        """The FP32 masters that ``optimizer`` steps in place of the model's half parameters (empty without them)."""
+        masters = self._masters.get(id(getattr(optimizer, "optimizer", optimizer)))
+        return [] if masters is None else list(masters.masters)
+
     # -------------------------------------------------------------------------------------------------- set-up
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.master_weights:
+            # In place: DDPStrategy ignores the returned module. The FP32 values are kept before rounding, so the
+            # masters start from the exact initial (or checkpoint-restored) weights.
+            self._fp32_values.update(convert_to_half_(module, self.half_dtype, self.keep_fp32))
+        return module
+
     @override
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         self._resolve_device(model)
+        if self.master_weights:
+            self._make_masters(model, optimizers)
         if self._checker is not None:
-            self._checker.set_parameter_names(_unwrapped_names(model))
+            names = _unwrapped_names(model)
+            for masters in self._masters.values():
+                names = masters.named_masters(names)
+            self._checker.set_parameter_names(names)
             for optimizer in optimizers:
                 self._refuse_lbfgs(optimizer)
         if self.hold_schedulers_on_skip and self._checker is not None:
@@ -161,11 +208,44 @@ class MixedPrecisionPlugin(Precision):
                 self._held.append(scheduler)
         return super().connect(model, optimizers, lr_schedulers)
 
+    def _make_masters(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
+        if self.fp32_grad_accumulation and _world_size() > 1:
+            raise ValueError(
+                f"`{type(self).__name__}(fp32_grad_accumulation=True)` works in a single process only: across "
+                "processes the accumulated FP32 gradients would not be all-reduced. Drop the option (gradients "
+                "then accumulate in the half dtype and DDP all-reduces them)."
+            )
+        self._masters.clear()
+        for optimizer in optimizers:
+            self._refuse_lbfgs(optimizer)
+            masters = MasterWeights(optimizer, self._fp32_values)
+            self._masters[id(optimizer)] = masters
+        # From now on the masters are the FP32 values: a second fit of the same model continues from them.
+        self._fp32_values = {param: master for m in self._masters.values() for param, master in m.pairs()}
+        self._hook_state_dict(_unwrap(model))
+
+    def _hook_state_dict(self, module: nn.Module) -> None:
+        """Make ``module.state_dict()`` (and so every checkpoint) hold the FP32 masters, not the rounded half values."""
+        if self._state_dict_hook is not None:
+            self._state_dict_hook.remove()
+        master_of = self._fp32_values
+        self._master_names = {name: master_of[p] for name, p in module.named_parameters() if p in master_of}
+        names = self._master_names
+
+        def use_masters(_module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+            for name, master in names.items():
+                if prefix + name in state:
+                    state[prefix + name] = master.detach()
+
+        self._state_dict_hook = module.register_state_dict_post_hook(use_masters)  # type: ignore[no-untyped-call]
+
     @override
     def teardown(self) -> None:
         for scheduler in self._held:
             _schedulers.release(scheduler)
         self._held.clear()
+        # The masters (and the state_dict hook that returns them) outlive fit on purpose: the model is still held in
+        # the half dtype, and `model.state_dict()` must keep giving its FP32 values.
         super().teardown()
 
     def _resolve_device(self, model: nn.Module) -> None:
@@ -185,6 +265,12 @@ class MixedPrecisionPlugin(Precision):
             )
 
     def _refuse_lbfgs(self, optimizer: Any) -> None:
+        if self.master_weights and isinstance(getattr(optimizer, "optimizer", optimizer), LBFGS):
+            raise TypeError(
+                f"{type(self).__name__}(master_weights=True) cannot drive torch.optim.LBFGS: it re-evaluates the "
+                "closure inside `step()`, where half gradients cannot be moved to the FP32 masters. Use another "
+                "optimizer, or master_weights=False."
+            )
         if isinstance(getattr(optimizer, "optimizer", optimizer), LBFGS):
             raise TypeError(
                 f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
@@ -195,9 +281,8 @@ class MixedPrecisionPlugin(Precision):
     # ---------------------------------------------------------------------------------------------- autocast
     def autocast_context_manager(self) -> torch.autocast:
         """The ``torch.autocast`` context for this precision and device."""
-        dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         # cache_enabled=False as Lightning's own plugin: the cast cache breaks under activation checkpointing.
-        return torch.autocast(self.device or _default_device(), dtype=dtype, cache_enabled=False)
+        return torch.autocast(self.device or _default_device(), dtype=self.half_dtype, cache_enabled=False)
 
     @override
     @contextmanager
@@ -223,6 +308,14 @@ class MixedPrecisionPlugin(Precision):
         return tensor if self.scaler is None else self.scaler.scale(tensor)
 
     @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self.fp32_grad_accumulation:
+            # After every backward, also of micro-batches that do not step: the sum is kept in FP32.
+            for masters in self._masters.values():
+                masters.grads_to_masters_()
+        return super().post_backward(tensor, module)
+
+    @override
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Any,
@@ -230,7 +323,8 @@ class MixedPrecisionPlugin(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if self._checker is None:
+        masters = self._masters.get(id(optimizer))
+        if self._checker is None and masters is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._refuse_lbfgs(optimizer)
         closure_result = closure()
@@ -238,15 +332,38 @@ class MixedPrecisionPlugin(Precision):
             # training_step returned None: no backward ran, there is nothing to check or step.
             self._after_closure(model, optimizer)
             return closure_result
-        self._checker.unscale_(optimizer)
+        self._unscale(optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping: unscaled gradients
-        step_output = self._checker.step(optimizer, **kwargs)
-        self._ledger.record(optimizer, applied=not self._checker.last_step_skipped)
-        if model.automatic_optimization:
-            self._checker.update()
+        if self._checker is None:
+            step_output, applied = optimizer.step(**kwargs), True
         else:
-            self._update_pending = True
+            step_output = self._checker.step(optimizer, **kwargs)
+            applied = not self._checker.last_step_skipped
+            self._ledger.record(optimizer, applied=applied)
+        if masters is not None:
+            if applied:
+                masters.copy_to_model_()
+            masters.drop_grads_()
+        if self._checker is not None:
+            if model.automatic_optimization:
+                self._checker.update()
+            else:
+                self._update_pending = True
         return step_output
+
+    def _unscale(self, optimizer: Optimizer) -> None:
+        """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
+        masters = self._masters.get(id(optimizer))
+        if self._checker is None:
+            if masters is not None:
+                masters.grads_to_masters_()
+            return
+        # With master weights the half gradients are written, unscaled, into the FP32 master gradients by the
+        # scaler's check-and-measure pass (after FP32 accumulation they are there already).
+        sources = None if masters is None or self.fp32_grad_accumulation else masters.grad_sources()
+        self._checker.unscale_(optimizer, sources)
+        if masters is not None:
+            masters.free_model_grads_()
 
     # ------------------------------------------------------------------------------------------------ clipping
     @override
@@ -260,9 +377,8 @@ class MixedPrecisionPlugin(Precision):
             # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
             # that both reach the scaler's record of the same optimizer and the gradients are unscaled only once.
             optimizer = optimizer.optimizer
-        if self._checker is not None:
-            # Under manual optimization users clip before opt.step(): unscale first (a no-op if already done).
-            self._checker.unscale_(optimizer)
+        # Under manual optimization users clip before opt.step(): unscale first (a no-op if already done).
+        self._unscale(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
@@ -282,7 +398,13 @@ class MixedPrecisionPlugin(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self._checker is None:
             return {}
-        return {"format": _FORMAT, "precision": self.precision, "scaler": self._checker.state_dict()}
+        # The masters themselves are in checkpoint["state_dict"] (see _hook_state_dict), not here.
+        return {
+            "format": _FORMAT,
+            "precision": self.precision,
+            "master_weights": self.master_weights,
+            "scaler": self._checker.state_dict(),
+        }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -311,12 +433,25 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._load_masters(checkpoint.get("state_dict"))
         if type(self).__qualname__ in checkpoint:
             return  # ours (or a GradScaler state under the old class name): load_state_dict handles it
         for key in _FOREIGN_KEYS:
             if key in checkpoint:
                 self._load_grad_scaler_state(checkpoint[key], key)
                 return
+
+    @torch.no_grad()
+    def _load_masters(self, state: Any) -> None:
+        """Set the masters to the checkpoint's FP32 weights (exact whatever order Lightning restores things in)."""
+        if not self._masters or not isinstance(state, dict):
+            return
+        for name, master in self._master_names.items():
+            value = state.get(name)
+            if isinstance(value, Tensor) and value.is_floating_point() and value.shape == master.shape:
+                master.copy_(value)
+        for masters in self._masters.values():
+            masters.copy_to_model_()
 
     def _load_grad_scaler_state(self, state: dict[str, Any], key: str) -> None:
         if self.scaler is None:
@@ -327,16 +462,46 @@ class MixedPrecisionPlugin(Precision):
         self.scaler.load_state_dict(state)
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _unwrapped_names(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameter names as the user wrote them: without the ``module.`` prefixes that DDP and Lightning wrappers add.
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and Lightning wrappers.
 
     Unwrapping stops at the LightningModule: a ``module`` attribute there is the user's own submodule.
     """
     inner: nn.Module = model
     while not isinstance(inner, pl.LightningModule) and isinstance(getattr(inner, "module", None), nn.Module):
         inner = cast(nn.Module, inner.module)
-    return list(inner.named_parameters())
+    return inner
+
+
+def _unwrapped_names(model: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameter names as the user wrote them: without the ``module.`` prefixes that DDP and Lightning wrappers add."""
+    return list(_unwrap(model).named_parameters())
+
+
+def _check_master_options(
+    name: str, master_weights: bool, keep_fp32: Sequence[type[nn.Module]] | None, fp32_grad_accumulation: bool
+) -> None:
+    if master_weights:
+        if keep_fp32 is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in keep_fp32):
+            raise TypeError(
+                f"`{name}(keep_fp32={keep_fp32!r})` must be a sequence of nn.Module subclasses, e.g. (nn.LayerNorm,)."
+            )
+        return
+    for option, value, default in (
+        ("keep_fp32", keep_fp32, None),
+        ("fp32_grad_accumulation", fp32_grad_accumulation, False),
+    ):
+        if value != default:
+            raise ValueError(
+                f"`{name}({option}={value!r})` applies to FP32 master weights only: add master_weights=True, or "
+                f"drop {option}."
+            )

@@ -265,11 +265,17 @@ class DynamicLossScaler:
             f"`DynamicLossScaler.scale(outputs)` takes a tensor or a list/tuple of tensors, got {outputs!r}."
         )
 
-    def unscale_(self, optimizer: Optimizer) -> None:
+    def unscale_(self, optimizer: Optimizer, sources: Mapping[int, Tensor] | None = None) -> None:
         """Divide the optimizer's gradients by the scale, in place, check them and measure their norm.
 
         Call it before clipping or inspecting gradients; :meth:`step` calls it if you did not. A second call before
         :meth:`update` does nothing, so the gradients are unscaled exactly once. This is the step's one host sync.
+
+        Args:
+            optimizer: the optimizer whose parameters' gradients are unscaled.
+            sources: for FP32 master weights: maps ``id(param)`` of some of the optimizer's parameters to a (half)
+                gradient to read instead of the parameter's own; its unscaled value is written into ``param.grad``
+                (allocated by the caller) in the same pass that checks and measures it.
         """
         record = self._record(optimizer)
         if record.checked:
@@ -281,7 +287,8 @@ class DynamicLossScaler:
         record.scale = self._policy.scale
         # 1 / scale rounded once to float32, as GradScaler computes it.
         inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
-        squared = unscale_and_measure_(grads, inv_scale, self._scale.device)
+        from_sources = None if not sources else [sources.get(id(p)) for p in record.params]
+        squared = unscale_and_measure_(grads, inv_scale, self._scale.device, from_sources)
         norm = float(squared.sum().sqrt().item())  # the step's one host sync: the skip decision
         record.checked = True
         record.grad_norm = norm
