@@ -26,6 +26,15 @@ class StepLedger:
         self._seen: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.held_steps = 0
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled with the plugin when `ddp_spawn` starts its processes: what each scheduler last saw belongs to
+        # scheduler objects of this process only, and a weak mapping cannot be pickled anyway.
+        return {"_counts": self._counts, "held_steps": self.held_steps}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._seen = weakref.WeakKeyDictionary()
+
     def record(self, optimizer: object, applied: bool) -> None:
         """Note one step of ``optimizer``, applied or skipped."""
         called, done = self._counts.get(id(optimizer), (0, 0))

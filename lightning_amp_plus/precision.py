@@ -195,6 +195,10 @@ class MixedPrecisionPlugin(Precision):
         if self.master_weights:
             self._make_masters(model, optimizers)
         if self._checker is not None:
+            if _world_size() > 1 and self._checker.process_group is None:
+                # One skip decision for all ranks: an overflow seen on one rank only (a rank-local fault, unused
+                # parameters) must skip the step everywhere, or the replicas drift apart.
+                self._checker.process_group = torch.distributed.group.WORLD
             names = _unwrapped_names(model)
             for masters in self._masters.values():
                 names = masters.named_masters(names)

@@ -198,6 +198,11 @@ class DynamicLossScaler:
         """Whether the last optimizer step was skipped."""
         self.last_step_scale: float | None = None
         """The scale the last unscaled gradients had been multiplied by."""
+        self.process_group: Any = None
+        """Set to a ``torch.distributed`` process group to make every rank take the same skip decision: the overflow
+        flag is reduced across it in the host read each step already makes (``MixedPrecisionPlugin`` sets it under
+        DDP). The measured norm is then the largest of the ranks' (equal on all ranks under DDP, which averages the
+        gradients in backward); :attr:`last_overflow_params` names this rank's non-finite parameters only."""
 
     def __repr__(self) -> str:
         c = self._policy
@@ -289,7 +294,8 @@ class DynamicLossScaler:
         inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
         from_sources = None if not sources else [sources.get(id(p)) for p in record.params]
         squared = unscale_and_measure_(grads, inv_scale, self._scale.device, from_sources)
-        norm = float(squared.sum().sqrt().item())  # the step's one host sync: the skip decision
+        total = squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
+        norm = float(total.sqrt().item())  # the step's one host sync: the skip decision
         record.checked = True
         record.grad_norm = norm
         self.last_step_scale = record.scale
@@ -436,6 +442,13 @@ class DynamicLossScaler:
             )
 
     # ---------------------------------------------------------------------------------------------------- private
+    def _reduce_across_ranks(self, squared_total: Tensor) -> Tensor:
+        # MAX of the squared norms, with NaN first turned into inf (MAX with NaN is not defined the same way by every
+        # backend): any rank's overflow becomes every rank's, and equal norms stay themselves.
+        flag = torch.where(torch.isfinite(squared_total), squared_total, torch.full_like(squared_total, math.inf))
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        return flag
+
     def _record(self, optimizer: Optimizer) -> _StepRecord:
         return self._records.setdefault(id(optimizer), _StepRecord())
 

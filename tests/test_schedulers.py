@@ -43,3 +43,15 @@ def test_schedulers_of_many_plugins_share_one_held_class_and_release_restores_it
     _schedulers.hold(a, _schedulers.StepLedger())  # holding twice does not stack subclasses
     _schedulers.hold(a, _schedulers.StepLedger())
     assert type(a).__mro__[1] is torch.optim.lr_scheduler.StepLR
+
+
+def test_a_plugin_holding_schedulers_pickles_for_ddp_spawn() -> None:
+    # `strategy="ddp_spawn"` pickles the Trainer's plugins to start its processes.
+    import pickle
+
+    from lightning_amp_plus import MixedPrecisionPlugin
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
+    plugin._ledger.record(object(), applied=False)
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy._ledger.held_steps == 0 and copy.master_weights and copy.precision == "bf16-mixed"
