@@ -118,7 +118,7 @@ class MixedPrecisionMonitor(Callback):
         self._log_this_step = True
         self._bar_scale: float | None = None
         self._stopping = False
-        self._named: list[tuple[str, torch.nn.Parameter]] = []
+        self._named: list[tuple[str, torch.Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------- the step
     @override
@@ -151,8 +151,15 @@ class MixedPrecisionMonitor(Callback):
             # The scale this step's gradients carry (the scaler updates after the step). Free under our plugin.
             self._scale_before = None if trainer.scaler is None else float(trainer.scaler.get_scale())
         if self._checking(trainer) and not self._guarded(trainer):
-            named = [(n, p.grad) for n, p in self._named if p.grad is not None]
+            named = [(n, p.grad) for n, p in self._grad_holders(trainer) if p.grad is not None]
             self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
+
+    def _grad_holders(self, trainer: pl.Trainer) -> list[tuple[str, torch.Tensor]]:
+        """Each parameter's name with the tensor holding its gradient at the step: with master weights, the master."""
+        plugin = trainer.precision_plugin
+        if not isinstance(plugin, MixedPrecisionPlugin):
+            return self._named
+        return [(name, plugin.grad_holder(param)) for name, param in self._named]
 
     @override
     def on_train_batch_end(
@@ -290,8 +297,8 @@ class MixedPrecisionMonitor(Callback):
             self._stopping = True
             if kind == "gradients":
                 # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
-                for param in pl_module.parameters():
-                    param.grad = None
+                for _, holder in self._grad_holders(trainer):
+                    holder.grad = None
             rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
             return
         rank_zero_warn(message)
@@ -301,7 +308,7 @@ class MixedPrecisionMonitor(Callback):
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             state = {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
-            grads = {n: p.grad.detach().cpu() for n, p in pl_module.named_parameters() if p.grad is not None}
+            grads = {n: p.grad.detach().cpu() for n, p in self._grad_holders(trainer) if p.grad is not None}
             torch.save(
                 {
                     "global_step": trainer.global_step,

@@ -173,6 +173,10 @@ class MixedPrecisionPlugin(Precision):
         """The autocast dtype (and, with ``master_weights``, the model's): ``torch.float16`` or ``torch.bfloat16``."""
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
 
+    def grad_holder(self, param: Tensor) -> Tensor:
+        """The tensor whose ``.grad`` the optimizer reads for ``param``: its FP32 master, or ``param`` itself."""
+        return self._fp32_values.get(param, param) if self._masters else param
+
     def master_params(self, optimizer: Optimizer) -> list[Tensor]:
         """The FP32 masters that ``optimizer`` steps in place of the model's half parameters (empty without them)."""
         masters = self._masters.get(id(getattr(optimizer, "optimizer", optimizer)))

@@ -408,3 +408,22 @@ def test_loading_a_checkpoint_from_another_model_names_the_mismatch() -> None:
         masters.load_([torch.zeros(2, 2)])
     with pytest.raises(ValueError, match=r"#0 in the checkpoint is \(3,\), expected a tensor of shape \(2, 2\)"):
         masters.load_([torch.zeros(3), torch.zeros(2)])
+
+
+def test_the_monitor_finds_unguarded_non_finite_gradients_on_the_masters_and_stops_cleanly(tmp_path: Path) -> None:
+    from lightning_amp_plus import MixedPrecisionMonitor
+
+    class NaNGradient(TinyRegressor):
+        def on_after_backward(self) -> None:
+            if self.trainer.global_step == 2:
+                self.net[0].bias.grad[1] = float("nan")
+
+    model = NaNGradient()
+    monitor = MixedPrecisionMonitor(on_nonfinite="stop")
+    plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu", master_weights=True, skip_nonfinite=False)
+    with pytest.warns(UserWarning, match=r"non-finite gradients at step 2: net.0.bias"):
+        trainer = fit(model, plugin, steps=6, callbacks=[monitor], default_root_dir=tmp_path)
+    assert trainer.global_step == 3  # stopped after the step it caught
+    masters = plugin.master_params(trainer.optimizers[0])
+    assert all(torch.isfinite(t).all() for t in [*masters, *model.parameters()])
+    assert "net.0.bias" in torch.load(monitor.debug_path, weights_only=True)["grads"]
