@@ -75,6 +75,9 @@ def convert_to_half_(
         for name, buffer in submodule.named_buffers(recurse=False):
             if buffer is not None and buffer.is_floating_point():
                 setattr(submodule, name, buffer.to(dtype))
+        if isinstance(submodule, nn.RNNBase):
+            # cuDNN wants an RNN's weights in one contiguous chunk; the conversion gave each its own memory.
+            submodule.flatten_parameters()
     return originals
 
 
