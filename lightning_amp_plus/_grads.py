@@ -41,45 +41,26 @@ def _squared_norm(grad: Tensor) -> Tensor:
     return torch.dot(flat, flat)
 
 
-_Sources = Sequence[Tensor | None]
-
-
-def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None, sources: _Sources) -> list[Tensor]:
-    filled = [i for i, source in enumerate(sources) if source is not None]
-    if filled:
-        torch._foreach_copy_([group[i] for i in filled], [sources[i] for i in filled])  # type: ignore[misc]
+def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
     if inv_scale is not None:
         torch._foreach_mul_(group, inv_scale)
     return [norm.square() for norm in torch._foreach_norm(group, 2, dtype=_NORM_DTYPE)]
 
 
-def _cpu_squared_norms(group: list[Tensor], inv_scale: float | None, sources: _Sources) -> list[Tensor]:
+def _cpu_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
     # Large tensors: multiply, then measure at once, while the tensor is still in cache. Small ones: two foreach calls
     # for all of them, because there the cost per call, not memory, is what counts.
     large = [i for i, grad in enumerate(group) if grad.numel() >= _INTERLEAVE_MIN_NUMEL]
     small = [i for i, grad in enumerate(group) if grad.numel() < _INTERLEAVE_MIN_NUMEL]
     squared: list[Tensor] = [torch.empty(0)] * len(group)
-    inv = None if inv_scale is None else torch.tensor([inv_scale], dtype=_NORM_DTYPE)
     for i in large:
-        _unscale_one_(group[i], inv_scale, inv, sources[i])
+        if inv_scale is not None:
+            group[i].mul_(inv_scale)
         squared[i] = _squared_norm(group[i])
     if small:
-        pieces = _foreach_squared_norms([group[i] for i in small], inv_scale, [sources[i] for i in small])
-        for i, value in zip(small, pieces, strict=True):
+        for i, value in zip(small, _foreach_squared_norms([group[i] for i in small], inv_scale), strict=True):
             squared[i] = value
     return squared
-
-
-def _unscale_one_(grad: Tensor, inv_scale: float | None, inv: Tensor | None, source: Tensor | None) -> None:
-    if source is None:
-        if inv_scale is not None:
-            grad.mul_(inv_scale)
-    elif inv is None:
-        grad.copy_(source)
-    else:
-        # A one-element FP32 tensor (not a 0-dim one, not a Python number) takes part in type promotion, so a half
-        # source is read, widened and multiplied in FP32 and written to the FP32 gradient in one pass.
-        torch.mul(source, inv, out=grad)
 
 
 def _check_dense(grads: Sequence[Tensor]) -> None:
@@ -91,9 +72,7 @@ def _check_dense(grads: Sequence[Tensor]) -> None:
             )
 
 
-def unscale_and_measure_(
-    grads: Sequence[Tensor], inv_scale: float | None, out_device: torch.device, sources: _Sources | None = None
-) -> Tensor:
+def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float | None, out_device: torch.device) -> Tensor:
     """Multiply ``grads`` in place by ``inv_scale`` and return each one's squared L2 norm, measured after the multiply.
 
     Args:
@@ -101,9 +80,6 @@ def unscale_and_measure_(
         inv_scale: ``1 / scale`` as a float32 value, or ``None`` to measure only (scale 1). The multiply runs in the
             gradient's compute type (float32 for half types), as torch's own unscale does.
         out_device: where the returned tensor lives (the scaler's device).
-        sources: for master weights: per gradient, ``None`` or a (half) tensor of the same shape and device whose
-            values are written into the gradient, times ``inv_scale``, in the same pass (``grads[i]`` is then only the
-            destination: its old values are ignored).
 
     Returns:
         A 1-D float32 tensor with one squared norm per gradient, in the order given. An entry is ``inf`` or ``nan``
@@ -119,10 +95,6 @@ def unscale_and_measure_(
     if not grads:
         return torch.zeros(0, dtype=_NORM_DTYPE, device=out_device)
     _check_dense(grads)
-    if sources is None:
-        sources = [None] * len(grads)
-    elif len(sources) != len(grads):
-        raise ValueError(f"`unscale_and_measure_`: {len(sources)} sources for {len(grads)} gradients.")
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
     for index, grad in enumerate(grads):
         groups[(grad.device, grad.dtype)].append(index)
@@ -130,7 +102,7 @@ def unscale_and_measure_(
     for (device, _dtype), indices in groups.items():
         group = [grads[i] for i in indices]
         measure = _cpu_squared_norms if device.type == "cpu" else _foreach_squared_norms
-        squared = torch.stack(measure(group, inv_scale, [sources[i] for i in indices]))
+        squared = torch.stack(measure(group, inv_scale))
         pieces.append((indices, squared.to(out_device, non_blocking=True)))
     if len(pieces) == 1:
         return pieces[0][1]

@@ -4,11 +4,13 @@ The model keeps its parameters in a half dtype (forward and backward run in it, 
 all-reduces them in it); the optimizer steps FP32 *master* copies instead, so that updates far smaller than a half
 weight's spacing (1/2048 of the weight in fp16, 1/256 in bf16) are not rounded away. Per step:
 
-1. The half gradients are moved into FP32 master gradients (and unscaled, in the same pass, when a loss scale is in
-   use: :meth:`MasterWeights.grad_sources` feeds the scaler's unscale-and-measure pass); the half gradients are freed.
-2. The optimizer steps the masters; a skipped step leaves them untouched.
-3. The masters are copied back to the model in one multi-tensor copy per device.
-4. The master gradients are freed: no FP32 gradient is kept between steps unless FP32 accumulation asks for it.
+1. The half gradients are widened into FP32 master gradients one tensor at a time, each freed as soon as it is read
+   (so the two never coexist in full); a loss scaler then unscales, checks and measures the master gradients.
+2. The optimizer steps the masters; a skipped step leaves them untouched. While it steps, the model's half weights are
+   released (:meth:`MasterWeights.half_weights_released`): the masters hold their values, and the step then needs no
+   more memory than an FP32 model's step.
+3. The master gradients are freed (no FP32 gradient is kept between steps unless FP32 accumulation asks for it), then
+   the masters are rounded into the model, one multi-tensor copy per device.
 
 Parameters that stay FP32 in the model (normalisation layers, by default) are their own masters: the optimizer steps
 them directly.
@@ -17,7 +19,8 @@ them directly.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +103,8 @@ class MasterWeights:
         optimizer: an optimizer built on the model's parameters (some of them fp16/bf16).
         initial: FP32 starting values for some half parameters (from :func:`convert_to_half_`); others start from
             their half value.
+        keep_allocated: half parameters whose memory must never be released during the step (by identity), e.g.
+            cuDNN RNN weights, which must stay in the one flat chunk ``flatten_parameters`` made.
 
     Example:
         >>> model = nn.Linear(1, 1, bias=False).to(torch.float16)
@@ -110,14 +115,18 @@ class MasterWeights:
         >>> for _ in range(1000):
         ...     model.weight.grad = torch.full_like(model.weight, -1e-4)
         ...     masters.grads_to_masters_()
-        ...     opt.step()
-        ...     masters.copy_to_model_()
-        ...     masters.drop_grads_()
+        ...     with masters.half_weights_released():
+        ...         _ = opt.step()
         >>> round(masters.masters[0].item(), 4), round(model.weight.item(), 3)  # fp16 alone would stay at 1.0
         (1.1, 1.1)
     """
 
-    def __init__(self, optimizer: Optimizer, initial: Mapping[Tensor, Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        initial: Mapping[Tensor, Tensor] | None = None,
+        keep_allocated: Collection[Tensor] = (),
+    ) -> None:
         self.optimizer = optimizer
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
@@ -137,6 +146,8 @@ class MasterWeights:
         # optimizer's class, so the override goes into the class (a cached subclass), not onto the instance.
         setattr(optimizer, _HALF_PARAMS, self.model_params)
         optimizer.__class__ = _clearing_class(type(optimizer))
+        kept = {id(param) for param in keep_allocated}
+        self._releasable = [param for param in self.model_params if id(param) not in kept]
 
     def __len__(self) -> int:
         return len(self.masters)
@@ -150,26 +161,11 @@ class MasterWeights:
         master_of = {id(param): master for param, master in self.pairs()}
         return [(name, master_of.get(id(param), param)) for name, param in named_model_params]
 
-    def grad_sources(self) -> dict[int, Tensor]:
-        """Allocate each master's FP32 gradient and map its ``id`` to the half gradient it must be filled from.
-
-        A scaler's unscale pass (``DynamicLossScaler.unscale_(optimizer, sources=...)``) then writes
-        ``half_grad * inv_scale`` into the master gradient, checks and measures it, in one pass. Call
-        :meth:`free_model_grads_` afterwards.
-        """
-        sources: dict[int, Tensor] = {}
-        for param, master in self.pairs():
-            if param.grad is None:
-                continue
-            if master.grad is None:
-                master.grad = torch.empty_like(master)
-            sources[id(master)] = param.grad
-        return sources
-
     def grads_to_masters_(self) -> None:
         """Add the half gradients into the FP32 master gradients (copy if none yet) and free the half ones.
 
-        Used without a scaler (bf16 with nothing checked) and, after each backward, for FP32 gradient accumulation.
+        One tensor at a time, each half gradient freed right after it is read: at no moment do all the half and all
+        the FP32 gradients exist together. Before each step, and after each backward for FP32 gradient accumulation.
         """
         for param, master in self.pairs():
             grad = param.grad
@@ -179,11 +175,6 @@ class MasterWeights:
                 master.grad = grad.to(torch.float32)
             else:
                 master.grad.add_(grad)
-            param.grad = None
-
-    def free_model_grads_(self) -> None:
-        """Free the half gradients (after they were read into the masters)."""
-        for param in self.model_params:
             param.grad = None
 
     def drop_grads_(self) -> None:
@@ -203,23 +194,34 @@ class MasterWeights:
         for targets, sources in by_device.values():
             torch._foreach_copy_(targets, sources)
 
-    @torch.no_grad()
-    def load_(self, values: Sequence[Tensor]) -> None:
-        """Set the masters to ``values`` (saved by a checkpoint, in the same order) and round them into the model."""
-        if len(values) != len(self.masters):
-            raise ValueError(
-                f"The checkpoint holds {len(values)} master weights, this optimizer has {len(self.masters)} half "
-                "parameters: the model or its optimizer's parameter groups differ from the run that saved it."
-            )
-        for index, (master, value) in enumerate(zip(self.masters, values, strict=True)):
-            if not isinstance(value, Tensor) or value.shape != master.shape:
-                got = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise ValueError(
-                    f"Master weight #{index} in the checkpoint is {got}, expected a tensor of shape "
-                    f"{tuple(master.shape)}: the checkpoint comes from a different model."
-                )
-            master.copy_(value)
-        self.copy_to_model_()
+    @contextmanager
+    def half_weights_released(self) -> Iterator[None]:
+        """Release the model's half weights for the optimizer step; afterwards round the masters back into them.
+
+        The step reads and writes only masters, their gradients and the optimizer state: the half copies are dead
+        weight there, 2 bytes per parameter at the step's peak. They are released on entry; on exit (also on an
+        error) the master gradients are freed first, then the half weights are re-allocated (one flat buffer per
+        device and dtype) and the masters rounded into them in one multi-tensor copy per device.
+        """
+        for param in self._releasable:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        try:
+            yield
+        finally:
+            self.drop_grads_()
+            self._reallocate(self._releasable)
+            self.copy_to_model_()
+
+    def _reallocate(self, params: list[Tensor]) -> None:
+        shape_of = {id(param): master.shape for param, master in self.pairs()}
+        groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = defaultdict(list)
+        for param in params:
+            groups[(param.device, param.dtype)].append(param)
+        for (device, dtype), group in groups.items():
+            sizes = [shape_of[id(param)].numel() for param in group]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+            for param, piece in zip(group, torch.split(flat, sizes), strict=True):
+                param.data = piece.view(shape_of[id(param)])
 
 
 _HALF_PARAMS = "_lightning_amp_plus_half_params"

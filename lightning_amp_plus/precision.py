@@ -6,7 +6,7 @@ A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -224,9 +224,11 @@ class MixedPrecisionPlugin(Precision):
                 "then accumulate in the half dtype and DDP all-reduces them)."
             )
         self._masters.clear()
+        # cuDNN RNN weights must stay in the flat chunk flatten_parameters() made: never released during the step.
+        rnn_params = [p for m in model.modules() if isinstance(m, nn.RNNBase) for p in m.parameters()]
         for optimizer in optimizers:
             self._refuse_lbfgs(optimizer)
-            masters = MasterWeights(optimizer, self._fp32_values)
+            masters = MasterWeights(optimizer, self._fp32_values, keep_allocated=rnn_params)
             self._masters[id(optimizer)] = masters
         # From now on the masters are the FP32 values: a second fit of the same model continues from them.
         self._fp32_values = {param: master for m in self._masters.values() for param, master in m.pairs()}
@@ -342,16 +344,16 @@ class MixedPrecisionPlugin(Precision):
             return closure_result
         self._unscale(optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping: unscaled gradients
-        if self._checker is None:
-            step_output, applied = optimizer.step(**kwargs), True
-        else:
-            step_output = self._checker.step(optimizer, **kwargs)
-            applied = not self._checker.last_step_skipped
-            self._ledger.record(optimizer, applied=applied)
+        applying = self._checker is None or not self._checker.found_inf(optimizer)
+        # A step that will apply runs without the model's half weights; they come back rounded from the masters.
+        with masters.half_weights_released() if masters is not None and applying else nullcontext():
+            if self._checker is None:
+                step_output = optimizer.step(**kwargs)
+            else:
+                step_output = self._checker.step(optimizer, **kwargs)
+                self._ledger.record(optimizer, applied=applying)
         if masters is not None:
-            if applied:
-                masters.copy_to_model_()
-            masters.drop_grads_()
+            masters.drop_grads_()  # a skipped step's
         if self._checker is not None:
             if model.automatic_optimization:
                 self._checker.update()
@@ -362,16 +364,12 @@ class MixedPrecisionPlugin(Precision):
     def _unscale(self, optimizer: Optimizer) -> None:
         """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
         masters = self._masters.get(id(optimizer))
-        if self._checker is None:
-            if masters is not None:
-                masters.grads_to_masters_()
-            return
-        # With master weights the half gradients are written, unscaled, into the FP32 master gradients by the
-        # scaler's check-and-measure pass (after FP32 accumulation they are there already).
-        sources = None if masters is None or self.fp32_grad_accumulation else masters.grad_sources()
-        self._checker.unscale_(optimizer, sources)
         if masters is not None:
-            masters.free_model_grads_()
+            # Widened into FP32 master gradients tensor by tensor (a no-op after FP32 accumulation, or the 2nd time).
+            masters.grads_to_masters_()
+        if self._checker is None:
+            return
+        self._checker.unscale_(optimizer)
 
     # ------------------------------------------------------------------------------------------------ clipping
     @override
@@ -411,6 +409,7 @@ class MixedPrecisionPlugin(Precision):
             "format": _FORMAT,
             "precision": self.precision,
             "master_weights": self.master_weights,
+            "held_scheduler_steps": self._ledger.held_steps,
             "scaler": self._checker.state_dict(),
         }
 
@@ -423,12 +422,8 @@ class MixedPrecisionPlugin(Precision):
         if "format" not in state_dict and "scale" in state_dict:
             self._load_grad_scaler_state(state_dict, "MixedPrecisionPlugin")
             return
-        if state_dict.get("format") != _FORMAT or "scaler" not in state_dict:
-            raise ValueError(
-                f"The checkpoint's {type(self).__name__} state has keys {sorted(state_dict)}: expected a "
-                f"'{_FORMAT}' state with 'precision' and 'scaler', or a GradScaler state. Remove that key from the "
-                "checkpoint to start with a fresh scaler."
-            )
+        if state_dict.get("format") != _FORMAT or "scaler" not in state_dict or "precision" not in state_dict:
+            raise ValueError(self._unreadable_state(state_dict))
         saved = state_dict.get("precision")
         if saved != self.precision:
             raise ValueError(
@@ -438,6 +433,22 @@ class MixedPrecisionPlugin(Precision):
             )
         if self._checker is not None:
             self._checker.load_state_dict(state_dict["scaler"])
+        held = state_dict.get("held_scheduler_steps", 0)
+        self._ledger.held_steps = held if isinstance(held, int) and held >= 0 else 0
+
+    def _unreadable_state(self, state_dict: dict[str, Any]) -> str:
+        keys = sorted(map(str, state_dict))  # keys of any type: the message must not fail itself
+        if "format" not in state_dict:
+            problem = f"has keys {keys} and no 'format'"
+        elif state_dict["format"] != _FORMAT:
+            problem = f"has format={state_dict['format']!r}, which this version does not read ('{_FORMAT}')"
+        else:
+            missing = [key for key in ("precision", "scaler") if key not in state_dict]
+            problem = f"lacks {', '.join(repr(key) for key in missing)}"
+        return (
+            f"The checkpoint's {type(self).__name__} state {problem}: expected a '{_FORMAT}' state with 'precision' "
+            "and 'scaler', or a GradScaler state. Remove that key from the checkpoint to start with a fresh scaler."
+        )
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -467,6 +478,11 @@ class MixedPrecisionPlugin(Precision):
                 f"The checkpoint holds an fp16 GradScaler state under {key!r}; bf16 uses no scaler: ignored."
             )
             return
+        if not isinstance(state, dict):
+            raise TypeError(
+                f"The checkpoint's {key!r} entry is a {type(state).__name__}, not a GradScaler state dict. Remove "
+                "that key from the checkpoint to start with a fresh scaler."
+            )
         self.scaler.load_state_dict(state)
 
 

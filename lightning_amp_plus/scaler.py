@@ -270,17 +270,11 @@ class DynamicLossScaler:
             f"`DynamicLossScaler.scale(outputs)` takes a tensor or a list/tuple of tensors, got {outputs!r}."
         )
 
-    def unscale_(self, optimizer: Optimizer, sources: Mapping[int, Tensor] | None = None) -> None:
+    def unscale_(self, optimizer: Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, check them and measure their norm.
 
         Call it before clipping or inspecting gradients; :meth:`step` calls it if you did not. A second call before
         :meth:`update` does nothing, so the gradients are unscaled exactly once. This is the step's one host sync.
-
-        Args:
-            optimizer: the optimizer whose parameters' gradients are unscaled.
-            sources: for FP32 master weights: maps ``id(param)`` of some of the optimizer's parameters to a (half)
-                gradient to read instead of the parameter's own; its unscaled value is written into ``param.grad``
-                (allocated by the caller) in the same pass that checks and measures it.
         """
         record = self._record(optimizer)
         if record.checked:
@@ -292,8 +286,7 @@ class DynamicLossScaler:
         record.scale = self._policy.scale
         # 1 / scale rounded once to float32, as GradScaler computes it.
         inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
-        from_sources = None if not sources else [sources.get(id(p)) for p in record.params]
-        squared = unscale_and_measure_(grads, inv_scale, self._scale.device, from_sources)
+        squared = unscale_and_measure_(grads, inv_scale, self._scale.device)
         total = squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
         norm = float(total.sqrt().item())  # the step's one host sync: the skip decision
         record.checked = True
@@ -414,7 +407,7 @@ class DynamicLossScaler:
         if "scale" not in state_dict:
             raise ValueError(
                 "The scaler state has no 'scale' key (keys: "
-                f"{sorted(state_dict)}): it is not a DynamicLossScaler or torch.amp.GradScaler state."
+                f"{sorted(map(str, state_dict))}): it is not a DynamicLossScaler or torch.amp.GradScaler state."
             )
         scale = _number(state_dict, "scale", float)
         if not (math.isfinite(scale) and scale > 0):
@@ -427,11 +420,11 @@ class DynamicLossScaler:
             )
             scale = min(max(scale, self.min_scale), self.max_scale)
         self._set_scale(scale)
-        self._policy.growth_tracker = _number(state_dict, "_growth_tracker", int, 0)
-        self._policy.hysteresis_tracker = _number(state_dict, "_hysteresis_tracker", int, self.hysteresis)
-        self._skipped_steps = _number(state_dict, "skipped_steps", int, 0)
-        self._consecutive_skips = _number(state_dict, "consecutive_skips", int, 0)
-        self._floor_skips = _number(state_dict, "_floor_skips", int, 0)
+        self._policy.growth_tracker = _count(state_dict, "_growth_tracker", 0)
+        self._policy.hysteresis_tracker = _count(state_dict, "_hysteresis_tracker", self.hysteresis)
+        self._skipped_steps = _count(state_dict, "skipped_steps", 0)
+        self._consecutive_skips = _count(state_dict, "consecutive_skips", 0)
+        self._floor_skips = _count(state_dict, "_floor_skips", 0)
         mine = {key: value for key, value in self.state_dict().items() if key in _HYPERPARAMETERS}
         differing = {key: state_dict[key] for key in mine if key in state_dict and state_dict[key] != mine[key]}
         if differing:
@@ -516,3 +509,11 @@ def _number(state: Mapping[str, Any], key: str, kind: type[int] | type[float], d
         expected = "an int" if kind is int else "a number"
         raise TypeError(f"The scaler state holds {key}={value!r} ({type(value).__name__}); expected {expected}.")
     return kind(value)
+
+
+def _count(state: Mapping[str, Any], key: str, default: int) -> int:
+    """Read a tracker or counter: an int >= 0 (a negative one would, e.g., postpone the max_consecutive_skips stop)."""
+    value: int = _number(state, key, int, default)
+    if value < 0:
+        raise ValueError(f"The scaler state holds {key}={value}; counters and trackers must be >= 0.")
+    return value

@@ -721,3 +721,9 @@ def test_a_held_scheduler_pickles_and_copies_as_its_original_class() -> None:
     assert type(clone) is torch.optim.lr_scheduler.StepLR and clone.state_dict() == scheduler.state_dict()
     assert type(_copy.deepcopy(scheduler)) is torch.optim.lr_scheduler.StepLR
     assert type(scheduler) is not torch.optim.lr_scheduler.StepLR  # the original stays held
+
+
+def test_garbage_under_lightnings_scaler_key_names_the_key() -> None:
+    plugin = MixedPrecisionPlugin("16-mixed", device="cpu")
+    with pytest.raises(TypeError, match=r"checkpoint's 'MixedPrecision' entry is a str, not a GradScaler state"):
+        plugin.on_load_checkpoint({"MixedPrecision": "garbage"})
