@@ -195,6 +195,7 @@ class MixedPrecisionPlugin(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        self._refuse_deepspeed(model)
         self._resolve_device(model)
         if self.master_weights:
             self._make_masters(model, optimizers)
@@ -272,6 +273,15 @@ class MixedPrecisionPlugin(Precision):
                 "MixedPrecisionPlugin('16-mixed') on CPU: fp16 autocast is correct there but slow (many times slower "
                 "than fp32 on most CPUs). For speed on CPU prefer 'bf16-mixed' or 32-bit.",
                 category=UserWarning,
+            )
+
+    def _refuse_deepspeed(self, model: nn.Module) -> None:
+        # Lightning checks the plugin type for FSDP and XLA, not for DeepSpeed, whose engine does its own fp16/bf16,
+        # loss scaling and master weights: two scalers on one model would corrupt each other silently.
+        if type(model).__module__.split(".")[0] == "deepspeed":
+            raise TypeError(
+                f"{type(self).__name__} cannot run under DeepSpeed: its engine does its own mixed precision and loss "
+                "scaling. Use Trainer(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed') without this plugin."
             )
 
     def _refuse_lbfgs(self, optimizer: Any) -> None:

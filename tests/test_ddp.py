@@ -1,0 +1,581 @@
+"""``MixedPrecisionPlugin`` under DDP on CPU: 2 processes over gloo.
+
+Starting processes costs seconds, so most checks share ONE pair of worker processes. The module-scoped fixture
+``ranks`` launches them as ``torchrun`` would (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` in the
+environment, so Lightning's ``strategy="ddp"`` runs inside them instead of launching its own), and each worker runs
+every scenario of :data:`SCENARIOS` in turn, each a fresh ``Trainer(accelerator="cpu", devices=2, strategy="ddp")``
+fit, then saves what it recorded to a file per rank. The tests compare the two ranks' records. One more test runs
+``strategy="ddp_spawn"`` end to end, because that path pickles the plugin into fresh processes.
+
+What a rank records (:class:`Recorder`): per optimizer step the skip decision, the loss scale, the gradient norm, the
+overflowing parameters it saw itself, and the weights (and FP32 masters) before and after the step; and every
+gradient bucket DDP all-reduced (dtype and bytes), seen by a communication hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import socket
+import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from helpers import FP16_ON_CPU_WARNING, INF, PRECISIONS, TinyRegressor, loader, make_net, make_trainer, mse, step_batch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import FSDPStrategy
+from torch import Tensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
+
+pytestmark = [
+    pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
+    # The resumed runs take their batches from the step number, not the loader (see RankData).
+    pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable.*"),
+]
+
+WORLD = 2
+FAULT_RANK = 1
+FAULT_STEP = 3
+STEPS = 8
+MODES = [(precision, master_weights) for precision in PRECISIONS for master_weights in (False, True)]
+HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+N_PARAMS = sum(p.numel() for p in make_net().parameters())
+# The pool takes about a minute on 2 busy cores, nearly all of it the two processes importing torch and Lightning
+# (the scenarios themselves take ~4 s); this only bounds a hang.
+POOL_TIMEOUT_S = 600
+# A collective that waits longer than this on one rank means the other rank failed: error out instead of hanging.
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+class RankData(TinyRegressor):
+    """TinyRegressor (Adam) whose batches depend only on the step, the micro-batch and the rank.
+
+    The ranks see different data, so their local gradients differ and DDP's all-reduce matters; a resumed run sees
+    the same batches as an uninterrupted one whatever the loader's position. At ``fault_steps`` one layer's gradient
+    on rank ``FAULT_RANK`` only is set to inf *after* DDP has all-reduced it (``on_after_backward``): the other rank's
+    gradients stay finite, so only the plugin's reduction of the overflow flag can make it skip too.
+    """
+
+    def __init__(self, fault_steps: Iterable[int] = (FAULT_STEP,)) -> None:
+        super().__init__(optimizer="adam", lr=0.01)
+        self.fault_steps = set(fault_steps)
+        self._micro_batches: Counter[int] = Counter()
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        step = self.trainer.global_step
+        micro = self._micro_batches[step]  # 0, 1, ... under gradient accumulation
+        self._micro_batches[step] += 1
+        return mse(self.net, step_batch((step * WORLD + self.global_rank) * 2 + micro))
+
+    def on_after_backward(self) -> None:
+        if self.global_rank == FAULT_RANK and self.trainer.global_step in self.fault_steps:
+            self.net[2].weight.grad[0, 0] = INF
+
+
+def our_plugin(precision: str, master_weights: bool, **kwargs: Any) -> MixedPrecisionPlugin:
+    # A start scale of 2**10 keeps the tiny model clear of natural fp16 overflows (the only skips are the injected
+    # ones), and growth every 2 clean steps keeps the scale moving, so equal scales on both ranks mean something.
+    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "16-mixed" else None
+    return MixedPrecisionPlugin(precision, device="cpu", scaler=scaler, master_weights=master_weights, **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- recording
+def recording_allreduce(buckets: list[tuple[str, int]], bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """A DDP communication hook: note the bucket's dtype and bytes, then all-reduce it as DDP does by default."""
+    buffer = bucket.buffer()
+    buckets.append((str(buffer.dtype), buffer.numel() * buffer.element_size()))
+    return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default process group
+
+
+# DDP compares a hook's annotations with the real objects; `from __future__ import annotations` made them strings.
+recording_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[Tensor]})
+
+
+def weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, list[Tensor]]:
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecisionPlugin)
+    return {
+        "params": [p.detach().clone() for p in module.parameters()],
+        "masters": [m.detach().clone() for m in plugin.master_params(trainer.optimizers[0])],
+    }
+
+
+class Recorder(pl.Callback):
+    """What this rank saw: per batch the skip decision, scale, norm and weights; the all-reduced buckets.
+
+    Args:
+        save_to: under ``ddp_spawn``, a folder to write this rank's record to at the end of fit (``rank{r}.pt``): the
+            callback object in the launching process is a stale copy.
+    """
+
+    def __init__(self, save_to: Path | None = None) -> None:
+        self.save_to = save_to
+        self.batches: list[dict[str, Any]] = []
+        self.buckets: list[tuple[str, int]] = []
+        self.start: dict[str, Any] = {}
+        self._before: dict[str, list[Tensor]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        plugin = trainer.precision_plugin
+        assert isinstance(plugin, MixedPrecisionPlugin)
+        self.start = {
+            **weights(trainer, pl_module),
+            "state_dict": {k: v.clone() for k, v in pl_module.state_dict().items()},
+            "global_step": trainer.global_step,
+            "skipped_steps": plugin.skipped_steps,
+            "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
+        }
+        if isinstance(trainer.strategy.model, DistributedDataParallel):
+            # Lightning registers `DDPStrategy(ddp_comm_hook=...)` on CUDA only, so register it here (before the first
+            # backward, as DDP requires).
+            trainer.strategy.model.register_comm_hook(self.buckets, recording_allreduce)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._before = weights(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        plugin = trainer.precision_plugin
+        assert isinstance(plugin, MixedPrecisionPlugin)
+        skipped = plugin.last_step_skipped
+        self.batches.append(
+            {
+                "global_step": trainer.global_step,  # after the batch: a skipped step counts too
+                "skipped": skipped,
+                "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
+                "grad_norm": plugin.last_grad_norm,
+                "overflow_params": list(plugin.last_overflow_params) if skipped else [],
+                "before": self._before,
+                "after": weights(trainer, pl_module),
+            }
+        )
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.save_to is not None:
+            torch.save(self.result(trainer, pl_module), self.save_to / f"rank{trainer.global_rank}.pt")
+
+    def result(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        plugin = trainer.precision_plugin
+        assert isinstance(plugin, MixedPrecisionPlugin)
+        return {
+            "batches": self.batches,
+            "buckets": self.buckets,
+            "start": self.start,
+            "final": weights(trainer, pl_module),
+            "dtypes": [str(p.dtype) for p in pl_module.parameters()],
+            "skipped_steps": plugin.skipped_steps,
+            "global_step": trainer.global_step,
+        }
+
+
+# ----------------------------------------------------------------------------------------- the scenarios
+def ddp_fit(
+    model: pl.LightningModule,
+    plugin: MixedPrecisionPlugin,
+    steps: int,
+    callbacks: Iterable[pl.Callback] = (),
+    ckpt_path: Path | None = None,
+    **kwargs: Any,
+) -> pl.Trainer:
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": WORLD,
+        "strategy": "ddp",
+        "plugins": [plugin],
+        "max_steps": steps,
+        "max_epochs": -1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": list(callbacks),
+    }
+    settings.update(kwargs)
+    trainer = pl.Trainer(**settings)
+    # The batches come from RankData.training_step; the loader only sets the pace (16 batches per rank and epoch).
+    trainer.fit(model, loader(n=WORLD * 16 * 8, batch_size=8), ckpt_path=ckpt_path)
+    return trainer
+
+
+def recorded_fit(model: pl.LightningModule, plugin: MixedPrecisionPlugin, steps: int, **kwargs: Any) -> dict[str, Any]:
+    recorder = Recorder()
+    trainer = ddp_fit(model, plugin, steps, callbacks=[recorder], **kwargs)
+    return recorder.result(trainer, model)
+
+
+def each_mode(out: Path) -> dict[str, Any]:
+    """Every (precision, master_weights) mode, with an overflow on rank 1 only at FAULT_STEP."""
+    results = {}
+    for precision, master_weights in MODES:
+        torch.manual_seed(0)
+        results[f"{precision}/{master_weights}"] = recorded_fit(
+            RankData(), our_plugin(precision, master_weights), STEPS
+        )
+    return results
+
+
+def without_the_reduction(out: Path) -> dict[str, Any]:
+    """The same fault with the overflow flag NOT reduced across ranks: what the feature prevents."""
+    torch.manual_seed(0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DynamicLossScaler, "_reduce_across_ranks", lambda self, total: total)
+        return recorded_fit(RankData(), our_plugin("bf16-mixed", False), FAULT_STEP + 2)
+
+
+def accumulation(out: Path) -> dict[str, Any]:
+    """Master weights with accumulate_grad_batches=2 (DDP skips the all-reduce of the first micro-batch: no_sync)."""
+    results = {}
+    for precision in PRECISIONS:
+        torch.manual_seed(0)
+        results[precision] = recorded_fit(
+            RankData(fault_steps=()), our_plugin(precision, True), 4, accumulate_grad_batches=2
+        )
+    return results
+
+
+def checkpoints(out: Path) -> dict[str, Any]:
+    """fp16 + master weights: 12 steps straight; 6 steps, a checkpoint by rank 0, and a 2-rank resume to 12."""
+    faults = (FAULT_STEP, 9)  # one skip before the checkpoint, one after it
+    torch.manual_seed(0)
+    straight = recorded_fit(RankData(faults), our_plugin("16-mixed", True), 12)
+    torch.manual_seed(0)
+    path = out / "two_ranks.ckpt"
+    first = ddp_fit(RankData(faults), our_plugin("16-mixed", True), 6)
+    first.save_checkpoint(path)  # every rank calls it; rank 0 writes
+    torch.manual_seed(1)  # a different initialisation: the checkpoint must overwrite it
+    resumed = recorded_fit(RankData(faults), our_plugin("16-mixed", True), 12, ckpt_path=path)
+    return {"straight": straight, "resumed": resumed, "path": str(path)}
+
+
+def monitor(out: Path) -> dict[str, Any]:
+    """MixedPrecisionMonitor with a CSVLogger, the overflow on rank 1 only."""
+    torch.manual_seed(0)
+    callback = MixedPrecisionMonitor()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ddp_fit(
+            RankData(),
+            our_plugin("16-mixed", False),
+            6,
+            callbacks=[callback],
+            logger=CSVLogger(out, name="monitor", version=0),
+            log_every_n_steps=1,
+        )
+    return {
+        "printed": printed.getvalue(),
+        "skipped": [record.skipped for record in callback.history.steps],
+        "log_dir": str(out / "monitor"),
+    }
+
+
+def fp32_grad_accumulation(out: Path) -> dict[str, Any]:
+    """fp32_grad_accumulation=True cannot work across processes: both ranks must refuse it."""
+    try:
+        ddp_fit(RankData(), our_plugin("bf16-mixed", True, fp32_grad_accumulation=True), 2)
+    except ValueError as error:
+        return {"error": type(error).__name__, "message": str(error)}
+    return {"error": None, "message": ""}
+
+
+SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "modes": each_mode,
+    "unreduced": without_the_reduction,
+    "accumulation": accumulation,
+    "checkpoints": checkpoints,
+    "monitor": monitor,
+    "fp32_grad_accumulation": fp32_grad_accumulation,  # last: it ends a fit with an exception
+}
+
+
+def quiet_worker() -> None:
+    # Warnings and logs of worker processes do not reach pytest; silence them to keep the output readable.
+    warnings.simplefilter("ignore")
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    torch.set_num_threads(1)  # two processes on two cores: a second intra-op thread each only stalls
+
+
+def worker(rank: int, out_dir: str, port: int) -> None:
+    """One rank of the pool: run every scenario, then save the records to ``out_dir/rank{rank}.pt``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(WORLD),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),  # Lightning then takes the processes as launched externally (torchrun-style)
+        NODE_RANK="0",
+    )
+    quiet_worker()
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
+    out = Path(out_dir)
+    results: dict[str, Any] = {}
+    try:
+        for name, scenario in SCENARIOS.items():
+            started = time.perf_counter()
+            try:
+                results[name] = scenario(out)
+            except Exception:
+                results["error"] = f"scenario {name!r} failed on rank {rank}:\n{traceback.format_exc()}"
+                break  # the ranks may be out of step in their collectives now: run nothing more
+            results.setdefault("seconds", {})[name] = time.perf_counter() - started
+    finally:
+        torch.save(results, out / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_pool(out: Path) -> list[dict[str, Any]]:
+    context = mp.start_processes(worker, args=(str(out), free_port()), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = time.monotonic() + POOL_TIMEOUT_S
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the DDP workers did not finish within {POOL_TIMEOUT_S} s")
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_pool(tmp_path_factory.mktemp("ddp"))
+
+
+def scenario(ranks: list[dict[str, Any]], name: str) -> tuple[Any, ...]:
+    """Each rank's record of one scenario (the test fails with the worker's traceback if it did not run)."""
+    for record in ranks:
+        if name not in record:
+            pytest.fail(record.get("error", f"scenario {name!r} did not run"))
+    return tuple(record[name] for record in ranks)
+
+
+# ----------------------------------------------------------------------------------------------- assertions
+def assert_same_on_every_rank(records: tuple[dict[str, Any], ...]) -> None:
+    """One skip decision, one scale, one measured norm on every rank at every step; bit-identical replicas."""
+    first, *others = records
+    for other in others:
+        for key in ("skipped", "scale", "grad_norm", "global_step"):
+            assert [b[key] for b in other["batches"]] == [b[key] for b in first["batches"]], key
+        # Bit for bit: the replicas must not drift by even one rounding.
+        torch.testing.assert_close(other["final"], first["final"], rtol=0, atol=0)
+        assert other["skipped_steps"] == first["skipped_steps"]
+
+
+def assert_fault_skipped_everywhere(records: tuple[dict[str, Any], ...], steps: int) -> None:
+    """The overflow seen by FAULT_RANK alone skipped the step on every rank, and only that step."""
+    for rank, record in enumerate(records):
+        assert [b["skipped"] for b in record["batches"]] == [step == FAULT_STEP for step in range(steps)], rank
+        fault = record["batches"][FAULT_STEP]
+        # Each rank names only what it saw itself: rank 0's own gradients were finite, and it skipped anyway.
+        assert fault["overflow_params"] == (["net.2.weight"] if rank == FAULT_RANK else []), rank
+        assert fault["grad_norm"] == INF, rank
+        # Untouched on the skipped step (weights and masters), updated on the others.
+        torch.testing.assert_close(fault["after"], fault["before"], rtol=0, atol=0)
+        assert not torch.equal(record["batches"][FAULT_STEP + 1]["after"]["params"][0], fault["after"]["params"][0])
+
+
+# -------------------------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize(("precision", "master_weights"), MODES)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_the_replicas_stay_bit_identical(
+    ranks: list[dict[str, Any]], precision: str, master_weights: bool
+) -> None:
+    (modes, *others) = scenario(ranks, "modes")
+    records = tuple(m[f"{precision}/{master_weights}"] for m in (modes, *others))
+    assert_same_on_every_rank(records)
+    assert_fault_skipped_everywhere(records, STEPS)
+    record = records[0]
+    assert record["global_step"] == STEPS and record["skipped_steps"] == 1
+    if precision == "16-mixed":
+        # The scale grows every 2 clean steps and backs off at the fault, the same on both ranks (checked above): a
+        # rank that stepped instead would have grown its scale and diverged.
+        scales = [b["scale"] for b in record["batches"]]
+        assert scales == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0, 4096.0]
+    half = HALF[precision]
+    if master_weights:
+        assert set(record["dtypes"]) == {str(half)}
+        masters, params = record["final"]["masters"], record["final"]["params"]
+        assert all(m.dtype == torch.float32 for m in masters)
+        # The model holds the masters rounded to the half dtype, on every rank.
+        torch.testing.assert_close(params, [m.to(half) for m in masters], rtol=0, atol=0)
+    else:
+        assert set(record["dtypes"]) == {"torch.float32"} and record["final"]["masters"] == []
+
+
+def test_without_the_reduction_of_the_overflow_flag_only_the_faulty_rank_skips_and_the_replicas_diverge(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """The negative control of the test above: `_reduce_across_ranks` patched to the identity in the workers."""
+    rank0, rank1 = scenario(ranks, "unreduced")
+    assert [b["skipped"] for b in rank0["batches"]] == [False] * (FAULT_STEP + 2)
+    assert [b["skipped"] for b in rank1["batches"]] == [step == FAULT_STEP for step in range(FAULT_STEP + 2)]
+    assert not all(torch.equal(a, b) for a, b in zip(rank0["final"]["params"], rank1["final"]["params"], strict=True))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_master_weights_halve_the_bytes_ddp_all_reduces_gradients_in_the_half_dtype(
+    ranks: list[dict[str, Any]], precision: str
+) -> None:
+    modes = scenario(ranks, "modes")
+    for rank_modes in modes:
+        fp32_buckets = rank_modes[f"{precision}/False"]["buckets"]
+        half_buckets = rank_modes[f"{precision}/True"]["buckets"]
+        # Without master weights the model is FP32 under autocast: its gradients, and the buckets, are FP32.
+        assert {dtype for dtype, _ in fp32_buckets} == {"torch.float32"}
+        assert {dtype for dtype, _ in half_buckets} == {str(HALF[precision])}
+        # Every parameter's gradient once per step (the skipped step's too: the all-reduce runs in backward).
+        assert sum(n for _, n in fp32_buckets) == STEPS * N_PARAMS * 4
+        assert sum(n for _, n in half_buckets) == STEPS * N_PARAMS * 2
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gradient_accumulation_with_master_weights_all_reduces_once_per_step_and_keeps_ranks_identical(
+    ranks: list[dict[str, Any]], precision: str
+) -> None:
+    records = tuple(r[precision] for r in scenario(ranks, "accumulation"))
+    assert_same_on_every_rank(records)
+    for record in records:
+        assert record["global_step"] == 4 and len(record["batches"]) == 8 and record["skipped_steps"] == 0
+        # One half-dtype all-reduce per optimizer step: the accumulating micro-batch ran under DDP's no_sync.
+        assert {dtype for dtype, _ in record["buckets"]} == {str(HALF[precision])}
+        assert sum(n for _, n in record["buckets"]) == 4 * N_PARAMS * 2
+        # Every optimizer step moved the masters (the accumulating micro-batches leave them alone).
+        for index, batch in enumerate(record["batches"]):
+            moved = not torch.equal(batch["after"]["masters"][0], batch["before"]["masters"][0])
+            assert moved == (index % 2 == 1), index
+        masters, params = record["final"]["masters"], record["final"]["params"]
+        torch.testing.assert_close(params, [m.to(HALF[precision]) for m in masters], rtol=0, atol=0)
+
+
+def test_fp32_grad_accumulation_is_refused_on_every_rank_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+    for record in scenario(ranks, "fp32_grad_accumulation"):
+        assert record["error"] == "ValueError"
+        assert "fp32_grad_accumulation=True" in record["message"] and "single process only" in record["message"]
+
+
+def test_a_checkpoint_written_by_rank_zero_resumes_on_two_ranks_exactly_as_the_uninterrupted_run(
+    ranks: list[dict[str, Any]],
+) -> None:
+    records = scenario(ranks, "checkpoints")
+    checkpoint = torch.load(records[0]["path"], weights_only=True)
+    saved = checkpoint["state_dict"]
+    assert all(value.dtype == torch.float32 for value in saved.values())  # the FP32 masters, not the fp16 model
+    for record in records:
+        straight, resumed = record["straight"], record["resumed"]
+        # Loaded exactly: the masters (and the module's state_dict, which returns them) are the checkpoint's.
+        start = resumed["start"]
+        assert start["global_step"] == 6 and start["skipped_steps"] == 1
+        torch.testing.assert_close(start["masters"], list(saved.values()), rtol=0, atol=0)
+        torch.testing.assert_close(start["state_dict"], saved, rtol=0, atol=0)
+        assert start["scale"] == checkpoint["MixedPrecisionPlugin"]["scaler"]["scale"]
+        # Same arithmetic on the same batches: the resumed run ends bit for bit where the uninterrupted one does.
+        torch.testing.assert_close(resumed["final"], straight["final"], rtol=0, atol=0)
+        assert resumed["skipped_steps"] == straight["skipped_steps"] == 2
+        assert [b["scale"] for b in resumed["batches"]] == [b["scale"] for b in straight["batches"]][6:]
+    assert_same_on_every_rank(tuple(record["resumed"] for record in records))
+
+
+def test_a_checkpoint_written_by_two_ranks_resumes_in_one_process(ranks: list[dict[str, Any]]) -> None:
+    path = Path(scenario(ranks, "checkpoints")[0]["path"])
+    checkpoint = torch.load(path, weights_only=True)
+    saved = checkpoint["state_dict"]
+    recorder = Recorder()
+    model = RankData(fault_steps=())
+    trainer = make_trainer(our_plugin("16-mixed", True), max_steps=12, max_epochs=-1, callbacks=[recorder])
+    trainer.fit(model, loader(n=16 * 8, batch_size=8), ckpt_path=path)
+    start = recorder.start
+    # The arithmetic differs from 2 ranks (one process averages nothing), so compare the loaded state, exactly.
+    torch.testing.assert_close(start["masters"], list(saved.values()), rtol=0, atol=0)
+    torch.testing.assert_close(start["state_dict"], saved, rtol=0, atol=0)
+    torch.testing.assert_close(start["params"], [v.half() for v in saved.values()], rtol=0, atol=0)
+    assert start["skipped_steps"] == 1 and start["scale"] == checkpoint["MixedPrecisionPlugin"]["scaler"]["scale"]
+    # And it trains on: 6 more steps, each applied, every weight finite.
+    assert trainer.global_step == 12 and [b["skipped"] for b in recorder.batches] == [False] * 6
+    assert all(not torch.equal(b["after"]["masters"][0], b["before"]["masters"][0]) for b in recorder.batches)
+    assert all(torch.isfinite(m).all() for m in recorder.result(trainer, model)["final"]["masters"])
+
+
+def test_the_monitor_logs_and_prints_on_rank_zero_only(ranks: list[dict[str, Any]]) -> None:
+    rank0, rank1 = scenario(ranks, "monitor")
+    # Both ranks' monitors saw the one skip (the plugin's decision is shared)...
+    expected = [step == FAULT_STEP for step in range(6)]
+    assert rank0["skipped"] == rank1["skipped"] == expected
+    # ...but only rank 0 prints the summary and writes metrics.
+    assert "MixedPrecisionMonitor: 6 optimizer steps, 1 skipped" in rank0["printed"] and rank1["printed"] == ""
+    files = list(Path(rank0["log_dir"]).rglob("metrics.csv"))
+    assert len(files) == 1
+    rows = files[0].read_text().splitlines()
+    header = rows[0].split(",")
+    skipped_column = [line.split(",")[header.index("amp/step_skipped")] for line in rows[1:]]
+    assert [float(value) for value in skipped_column if value] == [float(s) for s in expected]
+
+
+def test_ddp_spawn_pickles_the_plugin_and_every_rank_skips_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same checks through `strategy="ddp_spawn"`: plugin, model and callbacks pickled into fresh processes."""
+    # Lightning's launcher writes the rendezvous address into this process's environment: keep it to this test.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    torch.manual_seed(0)
+    steps = FAULT_STEP + 2
+    trainer = make_trainer(
+        our_plugin("16-mixed", True),
+        devices=WORLD,
+        strategy="ddp_spawn",
+        max_steps=steps,
+        max_epochs=-1,
+        callbacks=[Recorder(save_to=tmp_path)],
+    )
+    model = RankData()
+    trainer.fit(model, loader(n=WORLD * 16 * 8, batch_size=8))
+    records = tuple(torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD))
+    assert_same_on_every_rank(records)
+    assert_fault_skipped_everywhere(records, steps)
+    assert {dtype for r in records for dtype, _ in r["buckets"]} == {"torch.float16"}
+    # The trained weights come back to this process through rank 0's `state_dict()`: the FP32 masters, exactly (the
+    # model here was never converted, so it stays FP32).
+    torch.testing.assert_close(list(model.parameters()), records[0]["final"]["masters"], rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------- strategies that refuse it
+def test_fsdp_accepts_only_its_own_precision_plugin() -> None:
+    # On CPU Lightning refuses FSDP before it looks at the plugin...
+    with pytest.raises(ValueError, match=r"strategy `fsdp` requires a GPU accelerator"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy="fsdp", plugins=[MixedPrecisionPlugin("bf16-mixed")])
+    # ...so check the refusal the Trainer reaches on GPU, where it hands the plugin to the strategy.
+    with pytest.raises(TypeError, match=r"FSDP strategy can only work with the `FSDPPrecision` plugin"):
+        FSDPStrategy(precision_plugin=MixedPrecisionPlugin("bf16-mixed"))
+
+
+@pytest.mark.cuda
+def test_fsdp_trainer_on_cuda_refuses_the_plugin() -> None:
+    with pytest.raises(TypeError, match=r"FSDP strategy can only work with the `FSDPPrecision` plugin"):
+        pl.Trainer(accelerator="cuda", devices=1, strategy="fsdp", plugins=[MixedPrecisionPlugin("bf16-mixed")])
+
+
+def test_deepspeed_engines_are_refused_with_the_way_out() -> None:
+    # Lightning's DeepSpeedStrategy does not check its precision plugin's type (FSDP and XLA do): the plugin refuses
+    # a DeepSpeed engine itself when the strategy connects it. DeepSpeed is not installed here: a stand-in class from
+    # a `deepspeed.*` module plays the engine.
+    engine_class = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
+    with pytest.raises(TypeError, match=r"cannot run under DeepSpeed.*strategy='deepspeed', precision="):
+        MixedPrecisionPlugin("bf16-mixed").connect(engine_class(), [], [])
