@@ -1,5 +1,5 @@
-"""``python -m lightning_amp_plus``: the demo training run."""
+"""``python -m lightning_amp_plus``: the ``amp-plus`` command (``train``, ``compare``, ``doctor``, ``demo``)."""
 
-from lightning_amp_plus.demo import main
+from lightning_amp_plus.cli import main
 
-main()
+raise SystemExit(main())

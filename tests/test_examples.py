@@ -36,3 +36,102 @@ def test_lightning_example_resumes_from_its_halfway_checkpoint(tmp_path: Path, p
     result = load("lightning_trainer").main(["--precision", precision, "--epochs", "2", "--root", str(tmp_path)])
     assert result["global_step"] == 64  # two epochs of 32 batches, the second after the resume
     assert (tmp_path / "half.ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------------ LightningCLI examples
+CONFIGS = EXAMPLES / "configs"
+# LightningCLI warns when given args while sys.argv holds pytest's: that is how tests call it.
+cli_args = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+TINY_TRAINER = [
+    "--trainer.max_steps=2",
+    "--trainer.accelerator=cpu",
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_model_summary=false",
+]
+
+
+@cli_args
+def test_cifar_cnn_example_builds_the_plugin_and_monitor_from_amp_flags(tmp_path: Path) -> None:
+    from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
+    from lightning_amp_plus.data import SyntheticCIFAR10DataModule
+
+    cli = load("cifar_cnn").main(
+        [
+            "fit",
+            *TINY_TRAINER,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.width=2",
+            "--data.num_train=16",
+            "--data.num_val=8",
+            "--data.batch_size=8",
+            "--amp.precision=16-mixed",
+            "--amp.init_scale=1024",
+        ]
+    )
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecisionPlugin) and plugin.scaler is not None
+    assert plugin.scaler.get_scale() == 1024.0  # two clean steps, far from the growth interval: the flag's value
+    assert any(isinstance(callback, MixedPrecisionMonitor) for callback in cli.trainer.callbacks)
+    assert isinstance(cli.datamodule, SyntheticCIFAR10DataModule)  # the default data module
+    assert cli.trainer.global_step == 2
+
+
+@cli_args
+def test_imdb_lstm_example_runs_from_its_yaml_config_with_the_vocabulary_linked(tmp_path: Path) -> None:
+    cli = load("imdb_lstm").main(
+        [
+            "fit",
+            f"--config={CONFIGS / 'lstm_synthetic.yaml'}",
+            *TINY_TRAINER,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--model.hidden_dim=2",
+            "--model.embed_dim=2",
+            "--data.num_train=16",
+            "--data.num_val=8",
+            "--data.batch_size=8",
+            "--data.vocab_size=40",
+            "--data.min_len=3",
+            "--data.max_len=9",
+        ]
+    )
+    assert cli.trainer.precision == "bf16-mixed"
+    assert cli.model.hparams["vocab_size"] == cli.datamodule.vocab_size == 40
+    assert cli.trainer.global_step == 2
+
+
+@cli_args
+@pytest.mark.parametrize(
+    ("script", "config", "precision", "master_weights"),
+    [
+        ("cifar_cnn", "cnn_synthetic.yaml", "bf16-mixed", False),
+        ("cifar_cnn", "cnn_cifar10_fp16.yaml", "16-mixed", True),
+        ("imdb_lstm", "lstm_synthetic.yaml", "bf16-mixed", False),
+        ("imdb_lstm", "lstm_imdb.yaml", "bf16-mixed", False),
+    ],
+)
+def test_every_example_config_builds_its_trainer(
+    script: str, config: str, precision: str, master_weights: bool, tmp_path: Path
+) -> None:
+    # Nothing runs or downloads: the classes are only instantiated (real data modules fetch data in prepare_data).
+    cli = load(script).main([f"--config={CONFIGS / config}", f"--trainer.default_root_dir={tmp_path}"], run=False)
+    assert cli.trainer.precision == precision
+    assert getattr(cli.trainer.precision_plugin, "master_weights", False) is master_weights
+
+
+@cli_args
+def test_cnn_example_runs_32_true_without_a_plugin_but_with_the_monitor(tmp_path: Path) -> None:
+    from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
+
+    cli = load("cifar_cnn").main(
+        [
+            f"--config={CONFIGS / 'cnn_synthetic.yaml'}",
+            "--amp.precision=32-true",
+            "--trainer.accelerator=cpu",
+            f"--trainer.default_root_dir={tmp_path}",
+        ],
+        run=False,
+    )
+    assert cli.trainer.precision == "32-true"
+    assert not isinstance(cli.trainer.precision_plugin, MixedPrecisionPlugin)
+    assert any(isinstance(callback, MixedPrecisionMonitor) for callback in cli.trainer.callbacks)

@@ -398,3 +398,13 @@ def test_models_refuse_inputs_of_the_wrong_shape_with_the_fix():
         tiny_lstm()(torch.randn(4, 5), torch.tensor([5, 5, 5, 5]))
     with pytest.raises(ValueError, match=r"lengths has shape \(3,\), expected \[4\]"):
         tiny_lstm()(torch.ones(4, 5, dtype=torch.long), torch.tensor([5, 5, 5]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_imdb_lstm_runs_a_batch_of_equal_lengths_under_cpu_autocast(dtype: torch.dtype) -> None:
+    # torch 2.14's oneDNN LSTM under CPU autocast raises "could not create a primitive descriptor" for such a batch
+    # (real IMDB batches truncated to max_len can all have equal lengths); the model runs its LSTM outside autocast.
+    model = ImdbLSTM(vocab_size=20, embed_dim=4, hidden_dim=4)
+    tokens, lengths = torch.randint(2, 20, (3, 5)), torch.full((3,), 5)
+    with torch.autocast("cpu", dtype=dtype):
+        assert model(tokens, lengths).shape == (3,)

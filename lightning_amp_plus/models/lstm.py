@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torchmetrics.classification import BinaryAccuracy
 from typing_extensions import override
 
@@ -113,13 +113,22 @@ class ImdbLSTM(pl.LightningModule):
         embedded = self.dropout(self.embedding(tokens)).to(self.lstm.weight_ih_l0.dtype)
         # pack_padded_sequence wants the lengths on the CPU, and refuses 0: an empty row reads its first pad token.
         packed = pack_padded_sequence(embedded, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
-        _, (hidden, _) = self.lstm(packed)
+        _, (hidden, _) = self._run_lstm(packed)
         # hidden: [num_layers * directions, B, H]; the last layer's directions are the last rows.
         directions = 2 if self.lstm.bidirectional else 1
         # Likewise for the classifier, should it be held in another dtype than the LSTM.
         last = torch.cat(list(hidden[-directions:]), dim=1).to(self.classifier.weight.dtype)
         logits: Tensor = self.classifier(self.dropout(last)).squeeze(1)
         return logits
+
+    def _run_lstm(self, packed: PackedSequence) -> tuple[PackedSequence, tuple[Tensor, Tensor]]:
+        if packed.data.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # torch 2.14's oneDNN LSTM fails under CPU autocast for some shapes ("could not create a primitive
+            # descriptor", e.g. a batch whose rows all have the same length): run it outside autocast, in the dtype
+            # of its weights (the input was cast to it above).
+            with torch.autocast("cpu", enabled=False):
+                return self.lstm(packed)  # type: ignore[no-any-return]
+        return self.lstm(packed)  # type: ignore[no-any-return]
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:

@@ -1,0 +1,72 @@
+"""ImdbLSTM under LightningCLI, with MixedPrecisionPlugin and MixedPrecisionMonitor configured by ``--amp.*``.
+
+Run (synthetic reviews generated offline by default; every option also goes in a YAML config):
+
+    python examples/imdb_lstm.py fit --config examples/configs/lstm_synthetic.yaml
+    python examples/imdb_lstm.py fit --trainer.max_epochs 2 --amp.precision 16-mixed --amp.hysteresis 2
+    python examples/imdb_lstm.py fit --data lightning_amp_plus.data.IMDBDataModule --data.data_dir data
+    python examples/imdb_lstm.py fit --print_config      # the full configuration, as YAML
+
+The model's ``vocab_size`` and ``pad_index`` come from the data module (linked, so they are not options): the
+synthetic module knows them at construction; ``IMDBDataModule`` gives its maximum vocabulary size until ``setup``,
+never less than the vocabulary it builds, so the embedding always fits.
+
+``--amp.*`` is ``lightning_amp_plus.cli.AmpSettings`` (see ``examples/cifar_cnn.py``, which has the same
+``AmpLightningCLI``). Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from lightning_amp_plus.cli import AmpSettings
+from lightning_amp_plus.models import ImdbLSTM
+
+
+class AmpLightningCLI(LightningCLI):
+    """LightningCLI plus an ``--amp`` group (``AmpSettings``) that supplies the precision plugin and the monitor."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(AmpSettings, "amp")
+        parser.set_defaults({"data": {"class_path": "lightning_amp_plus.data.SyntheticIMDBDataModule"}})
+        for attribute in ("vocab_size", "pad_index"):
+            parser.link_arguments(
+                "data",
+                f"model.{attribute}",
+                compute_fn=lambda data, a=attribute: getattr(data, a),
+                apply_on="instantiate",
+            )
+
+    def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        amp: AmpSettings = config["amp"]
+        trainer = config.get("trainer", {})
+        # Keep whatever --trainer.plugins / --trainer.callbacks already hold; add ours.
+        plugins = _as_list(trainer.get("plugins")) + amp.plugins()
+        kwargs.setdefault("plugins", plugins or None)
+        kwargs.setdefault("callbacks", _as_list(trainer.get("callbacks")) + amp.callbacks())
+        return super().instantiate_trainer(**kwargs)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list) else [value]
+
+
+def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:
+    return AmpLightningCLI(
+        ImdbLSTM,
+        pl.LightningDataModule,
+        subclass_mode_data=True,
+        seed_everything_default=0,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+        run=run,
+        auto_configure_optimizers=False,  # ImdbLSTM configures its own optimizer
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,592 @@
+"""``amp-plus compare``: one model, one seed, several precision setups, one table.
+
+Each configuration trains the same shipped model from the same seed on the same batches for the same number of
+optimizer steps, then validates once:
+
+* ``32-true``: plain fp32.
+* ``lightning-16-mixed``, ``lightning-bf16-mixed``: Lightning's built-in ``MixedPrecision`` (``torch.amp.GradScaler``).
+* ``ours-16-mixed``, ``ours-bf16-mixed``: :class:`~lightning_amp_plus.MixedPrecisionPlugin`.
+* ``ours-16-mixed-master``, ``ours-bf16-mixed-master``: the same with ``master_weights=True``.
+
+Measured per configuration: the median step time after warm-up (a callback times each training batch, from
+``on_train_batch_start`` to ``on_train_batch_end``, synchronising CUDA at both ends: forward, backward and optimizer
+step, no data loading), the peak memory (CUDA: ``torch.cuda.max_memory_allocated`` after a reset; CPU: the increase of
+the peak resident set size, in a fresh process per configuration), the final training loss (mean of the last steps),
+the validation accuracy and the skipped steps.
+
+Run a configuration in a fresh process with ``python -m lightning_amp_plus.compare SPEC.json RESULT.json`` (what
+``amp-plus compare`` does on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import importlib.util
+import json
+import logging
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import MixedPrecision
+from typing_extensions import override
+
+from lightning_amp_plus import _memory
+from lightning_amp_plus.cli import (
+    COMPARE_CONFIGS,
+    UsageError,
+    build_datamodule,
+    build_model,
+    load_datamodule,
+    model_hparams,
+    resolve_accelerator,
+    resolve_precision,
+    train_settings,
+)
+from lightning_amp_plus.precision import MixedPrecisionPlugin
+
+__all__ = [
+    "CONFIGS",
+    "Config",
+    "ConfigResult",
+    "RunSpec",
+    "StepTimer",
+    "format_table",
+    "memory_method",
+    "run",
+    "run_config",
+    "run_config_isolated",
+    "to_markdown",
+    "write_chart",
+    "write_csv",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One setup to compare.
+
+    Attributes:
+        name: as ``--configs`` spells it.
+        precision: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``.
+        plugin: ``"none"`` (Lightning's ``32-true``), ``"lightning"`` (``MixedPrecision``) or ``"ours"``.
+        master_weights: ours with FP32 master weights.
+
+    Example:
+        >>> CONFIGS["ours-bf16-mixed-master"].master_weights
+        True
+    """
+
+    name: str
+    precision: Literal["32-true", "16-mixed", "bf16-mixed"]
+    plugin: Literal["none", "lightning", "ours"]
+    master_weights: bool = False
+
+    def trainer_kwargs(self, device: str) -> dict[str, Any]:
+        """What to pass to ``Trainer`` for this setup.
+
+        Example:
+            >>> type(CONFIGS["lightning-bf16-mixed"].trainer_kwargs("cpu")["plugins"][0]).__name__
+            'MixedPrecision'
+        """
+        if self.plugin == "none":
+            return {"precision": self.precision}
+        if self.precision == "32-true":
+            raise ValueError(f"Config {self.name!r}: a precision plugin needs a mixed precision, not '32-true'.")
+        if self.plugin == "lightning":
+            return {"plugins": [MixedPrecision(self.precision, device)]}
+        return {"plugins": [MixedPrecisionPlugin(self.precision, device, master_weights=self.master_weights)]}
+
+
+CONFIGS: dict[str, Config] = {
+    config.name: config
+    for config in (
+        Config("32-true", "32-true", "none"),
+        Config("lightning-16-mixed", "16-mixed", "lightning"),
+        Config("lightning-bf16-mixed", "bf16-mixed", "lightning"),
+        Config("ours-16-mixed", "16-mixed", "ours"),
+        Config("ours-bf16-mixed", "bf16-mixed", "ours"),
+        Config("ours-16-mixed-master", "16-mixed", "ours", master_weights=True),
+        Config("ours-bf16-mixed-master", "bf16-mixed", "ours", master_weights=True),
+    )
+}
+assert tuple(CONFIGS) == COMPARE_CONFIGS, "the CLI's choices and the configurations must agree"
+
+_MB = 1024.0 * 1024.0
+_LOSS_WINDOW = 5  # the final train loss is the mean over this many last steps: one batch's loss is noisy
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one configuration's run needs; plain values, so it travels to a worker process as JSON.
+
+    Example:
+        >>> spec = RunSpec("cnn", "32-true", steps=4, warmup=1, data={"num_train": 8}, model={"width": 4})
+        >>> RunSpec(**json.loads(json.dumps(asdict(spec)))) == spec
+        True
+    """
+
+    task: Literal["cnn", "lstm"]
+    config: str
+    steps: int
+    warmup: int
+    seed: int = 0
+    device: str = "cpu"
+    threads: int | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    model: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ConfigResult:
+    """What one configuration measured.
+
+    Attributes:
+        config: the configuration's name.
+        steps: optimizer steps taken (skipped ones included).
+        step_ms: median step time after warm-up, in milliseconds.
+        peak_memory_mb: see :func:`memory_method`.
+        final_train_loss: mean training loss over the last steps.
+        val_acc: validation accuracy after training.
+        skipped_steps: steps skipped for non-finite gradients.
+        seconds: wall time of the run (training and validation).
+        ratio: ``step_ms`` over 32-true's (``None`` when 32-true was not run).
+    """
+
+    config: str
+    steps: int
+    step_ms: float
+    peak_memory_mb: float | None
+    final_train_loss: float | None
+    val_acc: float | None
+    skipped_steps: int
+    seconds: float
+    ratio: float | None = None
+
+
+class StepTimer(Callback):
+    """Times each training batch (forward, backward, optimizer step), records its loss, counts skipped steps.
+
+    Skips are read from ``MixedPrecisionPlugin`` at the end; under ``torch.amp.GradScaler`` a skipped step is the
+    one after which the scale went down. Scale reads and loss reads happen outside the timed span.
+
+    Example:
+        >>> StepTimer("cpu").median_ms(warmup=0)
+        nan
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.seconds: list[float] = []
+        self.losses: list[float] = []
+        self.scale_drops = 0
+        self._scale: float | None = None
+        self._start = 0.0
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._scale = None if trainer.scaler is None else float(trainer.scaler.get_scale())
+        self._sync()
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._sync()
+        self.seconds.append(time.perf_counter() - self._start)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append(float(loss))
+        if self._scale is not None and trainer.scaler is not None and float(trainer.scaler.get_scale()) < self._scale:
+            self.scale_drops += 1
+
+    def median_ms(self, warmup: int) -> float:
+        """The median step time in ms, leaving out the first ``warmup`` steps (``nan`` if none are left)."""
+        kept = self.seconds[warmup:]
+        return 1000.0 * statistics.median(kept) if kept else math.nan
+
+
+# -------------------------------------------------------------------------------------------------------- runs
+def memory_method(device: str, isolated: bool) -> str:
+    """How the peak-memory column was measured, for the table's footer.
+
+    Example:
+        >>> memory_method("cuda", isolated=False)
+        'peak memory: torch.cuda.max_memory_allocated during training and validation, reset before each configuration'
+    """
+    if device == "cuda":
+        return (
+            "peak memory: torch.cuda.max_memory_allocated during training and validation, reset before each "
+            "configuration"
+        )
+    where = (
+        "in a fresh process per configuration"
+        if isolated
+        else "all configurations in one process (--in-process): memory freed by an earlier one is reused, so this is "
+        "a lower bound"
+    )
+    return (
+        "peak memory: increase of the process's peak resident set size (VmHWM, reset first) over its size before "
+        f"the model was built, {where}"
+    )
+
+
+def _start_memory(device: str) -> float:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return 0.0
+    _reset_peak_rss()
+    return _memory.process_rss_mb()
+
+
+def _peak_memory(device: str, baseline: float) -> float | None:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / _MB
+    peak = _peak_rss_mb()
+    return None if peak is None else max(0.0, peak - baseline)
+
+
+def _reset_peak_rss() -> None:
+    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM), so the peak seen is this configuration's.
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass  # then the peak includes what came before (imports, data): the footer's method still holds roughly
+
+
+def _peak_rss_mb() -> float | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what every configuration would repeat: Lightning's device banner and two expected warnings."""
+    logger = logging.getLogger("lightning.pytorch")
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*no `val_dataloader`.*")  # validation runs after fit
+            warnings.filterwarnings("ignore", message=r".*fp16 autocast is correct there but slow.*")  # in the footer
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def run_config(spec: RunSpec) -> ConfigResult:
+    """Train and validate one configuration in this process.
+
+    Example:
+        >>> spec = RunSpec("cnn", "ours-bf16-mixed", steps=2, warmup=1, data={"num_train": 8, "num_val": 4,
+        ...                "batch_size": 4}, model={"width": 2})
+        >>> result = run_config(spec)
+        >>> result.steps, result.skipped_steps
+        (2, 0)
+    """
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    config = CONFIGS[spec.config]
+    datamodule = build_datamodule(spec.task, seed=spec.seed, **spec.data)
+    datamodule.setup("fit")
+    baseline = _start_memory(spec.device)
+    pl.seed_everything(spec.seed, verbose=False)  # the same initial weights for every configuration
+    model = build_model(spec.task, datamodule, **spec.model)
+    timer = StepTimer(spec.device)
+    trainer = pl.Trainer(
+        accelerator=spec.device,
+        devices=1,
+        max_steps=spec.steps,
+        max_epochs=-1,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **config.trainer_kwargs(spec.device),
+    )
+    start = time.perf_counter()
+    with _quiet():
+        # Training batches only: one validation at the end, outside the timed steps, measures the final weights.
+        trainer.fit(model, train_dataloaders=datamodule.train_dataloader())
+        metrics = trainer.validate(model, dataloaders=datamodule.val_dataloader(), verbose=False)[0]
+    seconds = time.perf_counter() - start
+    plugin = trainer.precision_plugin
+    skipped = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else timer.scale_drops
+    losses = timer.losses[-_LOSS_WINDOW:]
+    return ConfigResult(
+        config=spec.config,
+        steps=trainer.global_step,
+        step_ms=timer.median_ms(spec.warmup),
+        peak_memory_mb=_peak_memory(spec.device, baseline),
+        final_train_loss=sum(losses) / len(losses) if losses else None,
+        val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
+        skipped_steps=skipped,
+        seconds=seconds,
+    )
+
+
+def run_config_isolated(spec: RunSpec) -> ConfigResult:
+    """Run one configuration in a fresh Python process (``python -m lightning_amp_plus.compare``) and read its result.
+
+    A fresh process per configuration makes the CPU peak-memory reading that configuration's alone.
+    """
+    with tempfile.TemporaryDirectory(prefix="amp-plus-compare-") as folder:
+        spec_path, result_path = Path(folder) / "spec.json", Path(folder) / "result.json"
+        spec_path.write_text(json.dumps(asdict(spec)))
+        command = [sys.executable, "-m", "lightning_amp_plus.compare", str(spec_path), str(result_path)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not result_path.exists():
+            raise RuntimeError(
+                f"amp-plus compare: configuration {spec.config!r} failed in its worker process (exit code "
+                f"{done.returncode}). Its last output:\n{done.stderr[-3000:]}"
+            )
+        return ConfigResult(**json.loads(result_path.read_text()))
+
+
+# ------------------------------------------------------------------------------------------------------- output
+_COLUMNS = (
+    ("config", "config"),
+    ("step_ms", "step ms (median)"),
+    ("ratio", "vs 32-true"),
+    ("peak_memory_mb", "peak memory MB"),
+    ("final_train_loss", "final train loss"),
+    ("val_acc", "val acc"),
+    ("skipped_steps", "skipped steps"),
+)
+
+
+def _cell(key: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if key == "ratio":
+        return f"{value:.2f}x"
+    if key in ("step_ms", "peak_memory_mb"):
+        return f"{value:,.1f}"
+    if key in ("final_train_loss", "val_acc"):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def _rows(results: list[ConfigResult]) -> list[list[str]]:
+    return [[_cell(key, getattr(result, key)) for key, _ in _COLUMNS] for result in results]
+
+
+def format_table(results: list[ConfigResult], footer: list[str]) -> str:
+    """The results as an aligned text table, then the footer lines.
+
+    Example:
+        >>> print(format_table([ConfigResult("32-true", 4, 10.0, 1.5, 0.7, 0.5, 0, 1.0, 1.0)], ["note"]))
+        config   step ms (median)  vs 32-true  peak memory MB  final train loss  val acc  skipped steps
+        32-true              10.0       1.00x             1.5             0.700    0.500              0
+        note
+    """
+    header = [title for _, title in _COLUMNS]
+    rows = _rows(results)
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        first = cells[0].ljust(widths[0])
+        return "  ".join([first, *(cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))])
+
+    return "\n".join([line(header), *(line(row) for row in rows), *footer])
+
+
+def to_markdown(results: list[ConfigResult], footer: list[str]) -> str:
+    """The results as a Markdown table, then the footer as a list.
+
+    Example:
+        >>> print(to_markdown([ConfigResult("32-true", 4, 10.0, None, 0.7, 0.5, 0, 1.0, 1.0)], []).splitlines()[2])
+        | 32-true | 10.0 | 1.00x | - | 0.700 | 0.500 | 0 |
+    """
+    header = [title for _, title in _COLUMNS]
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in _rows(results)]
+    if footer:
+        lines += ["", *(f"- {note}" for note in footer)]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(results: list[ConfigResult], path: str | Path) -> None:
+    """The results as CSV, one row per configuration, raw numbers (empty cells for values not measured)."""
+    names = [f.name for f in fields(ConfigResult)]
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=names)
+        writer.writeheader()
+        for result in results:
+            writer.writerow({key: "" if value is None else value for key, value in asdict(result).items()})
+
+
+def write_chart(results: list[ConfigResult], path: str | Path, title: str) -> None:
+    """Two bar charts: step time relative to 32-true (or in ms without it), and peak memory."""
+    from matplotlib.figure import Figure  # checked for before any training: see `run`
+
+    names = [r.config for r in results]
+    relative = all(r.ratio is not None for r in results)
+    times = [(r.ratio if relative else r.step_ms) or 0.0 for r in results]
+    memory = [r.peak_memory_mb or 0.0 for r in results]
+    figure = Figure(figsize=(9, 6), layout="tight")
+    top, bottom = figure.subplots(2, 1, sharex=True)
+    top.bar(names, times, color="tab:blue")
+    top.set_ylabel("step time vs 32-true" if relative else "step time (ms)")
+    if relative:
+        top.axhline(1.0, color="black", linewidth=0.8)
+    bottom.bar(names, memory, color="tab:orange")
+    bottom.set_ylabel("peak memory (MB)")
+    bottom.tick_params(axis="x", labelrotation=30)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+def _spec_defaults(device: str) -> tuple[int, int]:
+    # fp16 and bf16 run many times slower than fp32 on CPUs without native half arithmetic: few steps there.
+    return (16, 3) if device == "cpu" else (200, 20)
+
+
+def _specs(args: argparse.Namespace, device: str) -> list[RunSpec]:
+    settings = train_settings(args)  # the same model and data sizes as `amp-plus train`
+    default_steps, default_warmup = _spec_defaults(device)
+    steps = args.steps or default_steps
+    warmup = default_warmup if args.warmup is None else args.warmup
+    if warmup >= steps:
+        raise UsageError(
+            f"--warmup {warmup} leaves none of --steps {steps} to time: use fewer warm-up steps or more steps."
+        )
+    data = {
+        "data": args.data,
+        "data_dir": args.data_dir,
+        "batch_size": settings["batch_size"],
+        "num_workers": args.num_workers,
+        "num_train": settings["num_train"],
+        "num_val": settings["num_val"],
+        "max_len": settings.get("max_len"),
+        "download": not args.no_download,
+    }
+    model = model_hparams(args.task, settings)
+    threads = args.threads if args.threads is not None else torch.get_num_threads()
+    return [RunSpec(args.task, name, steps, warmup, args.seed, device, threads, data, model) for name in args.configs]
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError(
+            f"--png {args.png} draws a bar chart with matplotlib, which is not installed: "
+            "`pip install 'lightning-amp-plus[report]'` (or `pip install matplotlib`), or drop --png."
+        )
+    for flag in ("csv", "markdown", "png"):
+        path = getattr(args, flag)
+        if path is not None and not Path(path).resolve().parent.is_dir():
+            raise UsageError(f"--{flag} {path}: the folder {Path(path).parent} does not exist; create it first.")
+
+
+def _check_configs(names: list[str], device: str) -> None:
+    for precision in dict.fromkeys(CONFIGS[name].precision for name in names):
+        try:
+            resolve_precision(precision, device)
+        except UsageError as error:
+            raise UsageError(f"{error} (In compare, leave those configurations out with --configs.)") from None
+
+
+def run(args: argparse.Namespace) -> list[ConfigResult]:
+    """``amp-plus compare``: run each configuration, print one table, write the requested files."""
+    _check_outputs(args)
+    device = resolve_accelerator(args.accelerator)
+    _check_configs(args.configs, device)
+    specs = _specs(args, device)
+    isolated = device == "cpu" and not args.in_process
+    if args.data == "real":  # fetch the data once, before any run, so that a missing dataset stops everything
+        load_datamodule(args, train_settings(args))
+    where = "one fresh process each" if isolated else "in this process"
+    print(
+        f"amp-plus compare {args.task}: {len(specs)} configurations x {specs[0].steps} steps on {device} ({where}; "
+        f"the first {specs[0].warmup} steps are warm-up)",
+        flush=True,
+    )
+    results = []
+    for number, spec in enumerate(specs, 1):
+        print(f"  [{number}/{len(specs)}] {spec.config}", flush=True)
+        results.append(run_config_isolated(spec) if isolated else run_config(spec))
+    base = next((r for r in results if r.config == "32-true"), None)
+    for result in results:
+        result.ratio = None if base is None else result.step_ms / base.step_ms
+    footer = _footer(specs[0], device, isolated, base is not None)
+    print()
+    print(format_table(results, footer))
+    _write_outputs(args, results, footer, f"amp-plus compare {args.task} on {device}, {specs[0].steps} steps")
+    return results
+
+
+def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool) -> list[str]:
+    notes = [
+        f"step ms: median over steps {spec.warmup + 1}-{spec.steps} (the first {spec.warmup} are warm-up), timed from "
+        "on_train_batch_start to on_train_batch_end: forward, backward and optimizer step, no data loading"
+        + (", CUDA synchronised at both ends" if device == "cuda" else "")
+        + "; configurations run one after another, so other work on the machine skews the ratios",
+        memory_method(device, isolated),
+        f"final train loss: mean of the last {_LOSS_WINDOW} steps; val acc: one validation after training; the same "
+        f"seed ({spec.seed}), initial weights and batches for every configuration",
+    ]
+    if not has_base:
+        notes.append("vs 32-true: not measured (32-true was not among --configs)")
+    if device == "cpu":
+        notes.append(
+            "on CPU: fp16 and bf16 run slower than fp32 on CPUs without native half-precision arithmetic (fp16 the "
+            "slowest); the ratios show that, not what a GPU does, and steps are few so that CPU runs stay short"
+        )
+    return notes
+
+
+def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer: list[str], title: str) -> None:
+    if args.csv is not None:
+        write_csv(results, args.csv)
+        print(f"CSV written to {args.csv}")
+    if args.markdown is not None:
+        Path(args.markdown).write_text(to_markdown(results, footer))
+        print(f"Markdown written to {args.markdown}")
+    if args.png is not None:
+        write_chart(results, args.png, title)
+        print(f"chart written to {args.png}")
+
+
+def _worker(argv: list[str]) -> None:
+    """``python -m lightning_amp_plus.compare SPEC.json RESULT.json``: run one configuration, write its result."""
+    spec_path, result_path = argv
+    spec = RunSpec(**json.loads(Path(spec_path).read_text()))
+    result = run_config(spec)
+    Path(result_path).write_text(json.dumps(asdict(result)))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1:])

@@ -1,0 +1,124 @@
+"""`amp-plus compare`: one table over the configurations, its files, and what its numbers mean."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import re
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_amp_plus import cli, compare, doctor
+from lightning_amp_plus.cli import build_datamodule, build_model, main
+from lightning_amp_plus.compare import RunSpec, StepTimer, run_config_isolated
+
+TINY = ["--num-train", "24", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
+CONFIGS = ["32-true", "lightning-bf16-mixed", "ours-bf16-mixed", "lightning-16-mixed", "ours-16-mixed"]
+
+
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err
+
+
+def test_compare_prints_one_table_and_writes_csv_markdown_and_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = {kind: tmp_path / f"table.{kind}" for kind in ("csv", "md", "png")}
+    argv = ["compare", "cnn", *TINY, "--steps", "3", "--warmup", "1", "--in-process", "--configs", *CONFIGS,
+            "--csv", str(paths["csv"]), "--markdown", str(paths["md"]), "--png", str(paths["png"])]  # fmt: skip
+    assert main(argv) == 0
+
+    with open(paths["csv"], newline="") as handle:
+        rows = {row["config"]: row for row in csv.DictReader(handle)}
+    assert list(rows) == CONFIGS
+    assert float(rows["32-true"]["ratio"]) == 1.0
+    for row in rows.values():
+        assert int(row["steps"]) == 3 and int(row["skipped_steps"]) == 0
+        assert float(row["step_ms"]) > 0 and float(row["ratio"]) > 0 and float(row["peak_memory_mb"]) >= 0
+        assert 0.0 <= float(row["val_acc"]) <= 1.0
+    # Same seed, initial weights and batches everywhere; at one precision both plugins do the same arithmetic
+    # (ours adds only a check, and unscaling by a power of two is exact), so their losses agree to the bit.
+    for precision in ("bf16-mixed", "16-mixed"):
+        ours, lightning = rows[f"ours-{precision}"], rows[f"lightning-{precision}"]
+        torch.testing.assert_close(
+            float(ours["final_train_loss"]), float(lightning["final_train_loss"]), rtol=0, atol=0
+        )
+
+    markdown = paths["md"].read_text().splitlines()
+    assert markdown[0] == (
+        "| config | step ms (median) | vs 32-true | peak memory MB | final train loss | val acc | skipped steps |"
+    )
+    assert [line.split(" | ")[0] for line in markdown[2:7]] == [f"| {name}" for name in CONFIGS]
+    footer = "\n".join(markdown[7:])
+    assert "median over steps 2-3 (the first 1 are warm-up)" in footer and "lower bound" in footer
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    out = capsys.readouterr().out
+    assert "amp-plus compare cnn: 5 configurations x 3 steps on cpu (in this process" in out
+    assert re.search(r"^ours-bf16-mixed +[\d.,]+ +[\d.]+x ", out, re.MULTILINE)
+
+
+def test_compare_without_32_true_leaves_the_ratio_blank(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "lstm", "--num-train", "16", "--num-val", "8", "--batch-size", "8", "--hidden-dim", "2",
+            "--embed-dim", "2", "--max-len", "9", "--accelerator", "cpu", "--steps", "2", "--warmup", "0",
+            "--in-process", "--configs", "ours-bf16-mixed-master"]  # fmt: skip
+    results = compare.run(cli.build_parser().parse_args(argv))
+    assert [(r.config, r.ratio, r.steps) for r in results] == [("ours-bf16-mixed-master", None, 2)]
+    assert "vs 32-true: not measured" in capsys.readouterr().out
+
+
+def test_a_configuration_runs_in_its_own_process_and_reports_its_memory() -> None:
+    spec = RunSpec("cnn", "32-true", steps=2, warmup=1, threads=1,
+                   data={"num_train": 16, "num_val": 8, "batch_size": 8}, model={"width": 2})  # fmt: skip
+    result = run_config_isolated(spec)
+    assert (result.config, result.steps, result.skipped_steps) == ("32-true", 2, 0)
+    # A fresh process: building and training the model raised its peak resident memory above where it started.
+    assert result.peak_memory_mb is not None and result.peak_memory_mb > 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before:UserWarning")  # skipped steps
+def test_step_timer_counts_each_grad_scaler_backoff_as_a_skipped_step() -> None:
+    # A scale of 2**40 overflows fp16 activations' gradients: GradScaler skips each step and halves the scale.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    datamodule = build_datamodule("cnn", num_train=24, num_val=8, batch_size=8)
+    timer = StepTimer("cpu")
+    trainer = pl.Trainer(accelerator="cpu", max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+                         callbacks=[timer], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0)  # fmt: skip
+    trainer.fit(build_model("cnn", datamodule, width=2), datamodule=datamodule)
+    assert scaler.get_scale() == 2.0**37
+    assert timer.scale_drops == 3 and len(timer.seconds) == 3 and len(timer.losses) == 3
+
+
+def test_compare_refuses_a_chart_without_matplotlib(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
+    )
+    err = usage_error(["compare", "--png", "chart.png"], capsys)
+    assert "--png chart.png draws a bar chart with matplotlib, which is not installed" in err
+
+
+def test_compare_refuses_an_output_in_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["compare", "--csv", str(tmp_path / "missing" / "table.csv")], capsys)
+    assert "does not exist; create it first" in err
+
+
+def test_compare_refuses_a_precision_this_device_cannot_run_and_says_to_leave_it_out(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(doctor, "autocast_supported", lambda device, dtype: (dtype != torch.float16, "no fp16 here"))
+    err = usage_error(["compare", "--accelerator", "cpu"], capsys)
+    assert "torch.autocast cannot run torch.float16 on cpu here (no fp16 here)" in err
+    assert "leave those configurations out with --configs" in err

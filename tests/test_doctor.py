@@ -1,0 +1,90 @@
+"""`amp-plus doctor`: probing, measuring, and recommendations that follow from what was found."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lightning_amp_plus import doctor
+from lightning_amp_plus.cli import main
+from lightning_amp_plus.doctor import DeviceReport, autocast_supported, matmul_tflops, recommend, report_dict
+
+BOTH = {"float16": True, "bfloat16": True}
+
+
+def cuda(name: str, capability: str, tflops: dict[str, float | None], autocast: dict[str, bool] = BOTH) -> DeviceReport:
+    native = tuple(int(part) for part in capability.split(".")) >= (8, 0)
+    details = {"capability": capability, "memory_gib": 16.0, "bf16_native": native}
+    return DeviceReport("cuda", 0, name, details, autocast, {}, dict(tflops))
+
+
+def cpu(tflops: dict[str, float | None]) -> DeviceReport:
+    return DeviceReport("cpu", None, "a CPU", {"vector_isa": "AVX2"}, BOTH, {}, dict(tflops))
+
+
+def test_autocast_support_is_found_by_running_a_matmul() -> None:
+    assert autocast_supported("cpu", torch.bfloat16) == (True, "")
+    works, why = autocast_supported("not-a-device", torch.float16)
+    assert not works and "RuntimeError" in why
+
+
+def test_matmul_throughput_is_measured_at_a_size_that_fits_the_budget() -> None:
+    tflops, size = matmul_tflops("cpu", torch.float32, budget_s=0.05, max_size=256)
+    assert tflops > 0
+    # fp32 at 128 takes well under 1/8 of the budget on any CPU, so the size grows, up to the cap.
+    assert size == 256
+
+
+@pytest.mark.parametrize(
+    ("report", "precision", "master_weights", "reason"),
+    [
+        (cuda("NVIDIA A100", "8.0", {"float32": 19.0, "bfloat16": 250.0}), "bf16-mixed", True, "Ampere or newer"),
+        (cuda("Tesla V100", "7.0", {"float32": 14.0, "float16": 100.0}), "16-mixed", True, "predates Ampere"),
+        (cuda("Tesla K80", "3.7", {"float32": 4.0}, {"float16": False, "bfloat16": False}), "32-true", False, "fp32"),
+        (cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.001}), "32-true", False, "100x slower"),
+        (cpu({"float32": 1.0, "float16": None, "bfloat16": 4.0}), "bf16-mixed", False, "4.0x faster"),
+        (cpu({"float32": None, "float16": None, "bfloat16": None}), "32-true", False, "not measured"),
+    ],
+)
+def test_recommendation_follows_the_device_found(
+    report: DeviceReport, precision: str, master_weights: bool, reason: str
+) -> None:
+    advice = recommend(report)
+    assert (advice.precision, advice.master_weights) == (precision, master_weights)
+    assert reason in advice.reasons[0]
+    assert precision in advice.code
+
+
+def test_doctor_json_recommends_fp16_for_a_gpu_without_bf16(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    slow_cpu = cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.001})
+    v100 = cuda("Tesla V100-SXM2-16GB", "7.0", {"float32": 14.0, "float16": 100.0, "bfloat16": None})
+    monkeypatch.setattr(doctor, "collect", lambda benchmark=True: [slow_cpu, v100])
+    assert main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [device["label"] for device in data["devices"]] == ["cpu", "cuda:0"]
+    chosen = data["recommended"]
+    assert (chosen["device"], chosen["precision"]) == ("cuda:0", "16-mixed")
+    assert chosen["code"] == 'Trainer(plugins=[MixedPrecisionPlugin("16-mixed", master_weights=True)])'
+
+
+def test_doctor_measures_this_machine_and_recommends_consistently(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    here = data["devices"][0]
+    assert here["kind"] == "cpu" and here["autocast"]["bfloat16"] is True
+    assert here["tflops"]["float32"] > 0 and here["matmul_size"]["float32"] >= 128
+    ratio = here["tflops"]["bfloat16"] / here["tflops"]["float32"]
+    cpu_advice = data["recommendations"][0]
+    assert cpu_advice["precision"] == ("bf16-mixed" if ratio >= 1.2 else "32-true")
+
+
+def test_doctor_text_report_lists_devices_support_speed_and_advice() -> None:
+    text = doctor.format_report(report_dict([cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.002})]))
+    assert "cpu: a CPU" in text
+    assert "autocast: float16 yes, bfloat16 yes" in text
+    assert "bfloat16 0.002 TFLOP/s" in text and "0.02x fp32" in text
+    assert 'recommended on cpu: Trainer(precision="32-true")' in text
