@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
-NUMERICS = ["scaler.py", "_grads.py", "_policy.py", "_schedulers.py"]
-ALL_MODULES = sorted(p.name for p in PACKAGE.glob("*.py"))
+NUMERICS = ["scaler.py", "_grads.py", "_policy.py", "_schedulers.py", "_master.py", "_float32.py"]
+ALL_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 
 
 def imported_modules(path: Path) -> set[str]:
