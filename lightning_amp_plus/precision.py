@@ -114,7 +114,6 @@ class MixedPrecisionPlugin(Precision):
         # second fit continues from them), the masters of each optimizer, and the hook that saves them.
         self._fp32_values: dict[Tensor, Tensor] = {}
         self._masters: dict[int, MasterWeights] = {}
-        self._master_names: dict[str, Tensor] = {}
         self._state_dict_hook: Any = None
         self.scaler: DynamicLossScaler | None = None
         if precision == "16-mixed":
@@ -239,9 +238,10 @@ class MixedPrecisionPlugin(Precision):
         """Make ``module.state_dict()`` (and so every checkpoint) hold the FP32 masters, not the rounded half values."""
         if self._state_dict_hook is not None:
             self._state_dict_hook.remove()
+        # The masters reach the model's state_dict before convert_module runs on resume (Lightning restores the
+        # weights first, into the FP32 model), so they come back exact; see `convert_to_half_`.
         master_of = self._fp32_values
-        self._master_names = {name: master_of[p] for name, p in module.named_parameters() if p in master_of}
-        names = self._master_names
+        names = {name: master_of[p] for name, p in module.named_parameters() if p in master_of}
 
         def use_masters(_module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
             for name, master in names.items():
@@ -462,25 +462,12 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._load_masters(checkpoint.get("state_dict"))
         if type(self).__qualname__ in checkpoint:
             return  # ours (or a GradScaler state under the old class name): load_state_dict handles it
         for key in _FOREIGN_KEYS:
             if key in checkpoint:
                 self._load_grad_scaler_state(checkpoint[key], key)
                 return
-
-    @torch.no_grad()
-    def _load_masters(self, state: Any) -> None:
-        """Set the masters to the checkpoint's FP32 weights (exact whatever order Lightning restores things in)."""
-        if not self._masters or not isinstance(state, dict):
-            return
-        for name, master in self._master_names.items():
-            value = state.get(name)
-            if isinstance(value, Tensor) and value.is_floating_point() and value.shape == master.shape:
-                master.copy_(value)
-        for masters in self._masters.values():
-            masters.copy_to_model_()
 
     def _load_grad_scaler_state(self, state: dict[str, Any], key: str) -> None:
         if self.scaler is None:
