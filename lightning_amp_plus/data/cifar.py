@@ -8,7 +8,6 @@ test images are the test set. The data is used from an existing ``cifar-10-batch
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from torchvision import transforms
 from torchvision.datasets import CIFAR10
 from typing_extensions import override
 
+from lightning_amp_plus._args import check_int
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset, file_md5
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "DatasetUnavailableError"]
@@ -78,11 +78,6 @@ class _Subset(Dataset[_Item]):
         return self.transform(image), int(label)
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`CIFAR10DataModule({name}={value!r})` is invalid: {name} must be an integer >= {minimum}.")
-
-
 class CIFAR10DataModule(pl.LightningDataModule):
     """CIFAR-10 with standard normalisation, train-only augmentation and a seeded train/validation split.
 
@@ -122,10 +117,10 @@ class CIFAR10DataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`CIFAR10DataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        _check_int("batch_size", batch_size, 1)
-        _check_int("num_workers", num_workers, 0)
-        _check_int("val_size", val_size, 1)
-        _check_int("seed", seed, 0)
+        check_int("CIFAR10DataModule", "batch_size", batch_size, 1)
+        check_int("CIFAR10DataModule", "num_workers", num_workers, 0)
+        check_int("CIFAR10DataModule", "val_size", val_size, 1)
+        check_int("CIFAR10DataModule", "seed", seed, 0)
         for name, flag in (("augment", augment), ("download", download)):
             if not isinstance(flag, bool):
                 raise ValueError(f"`CIFAR10DataModule({name}={flag!r})` is invalid: {name} must be True or False.")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import numbers
 import os
 import warnings
 from functools import partial
@@ -24,6 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_amp_plus._args import check_int
 from lightning_amp_plus.data._collate import pad_collate
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset
 from lightning_amp_plus.data._text import PAD_INDEX, Vocabulary, tokenize
@@ -101,11 +101,6 @@ def _pack(reviews: list[list[int]], labels: list[int], lookup: Tensor, max_len: 
     return {"ids": lookup[flat].to(torch.int32), "offsets": offsets, "labels": torch.tensor(labels, dtype=torch.long)}
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"`IMDBDataModule({name}={value!r})` is invalid: {name} must be an integer >= {minimum}.")
-
-
 class IMDBDataModule(pl.LightningDataModule):
     """IMDB movie reviews as ``(tokens, lengths, labels)`` batches for binary sentiment classification.
 
@@ -157,13 +152,13 @@ class IMDBDataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`IMDBDataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        _check_int("batch_size", batch_size, 1)
-        _check_int("max_len", max_len, 1)
-        _check_int("vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
-        _check_int("min_freq", min_freq, 1)
-        _check_int("val_size", val_size, 1)
-        _check_int("seed", seed, 0)
-        _check_int("num_workers", num_workers, 0)
+        check_int("IMDBDataModule", "batch_size", batch_size, 1)
+        check_int("IMDBDataModule", "max_len", max_len, 1)
+        check_int("IMDBDataModule", "vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
+        check_int("IMDBDataModule", "min_freq", min_freq, 1)
+        check_int("IMDBDataModule", "val_size", val_size, 1)
+        check_int("IMDBDataModule", "seed", seed, 0)
+        check_int("IMDBDataModule", "num_workers", num_workers, 0)
         if not isinstance(download, bool):
             raise ValueError(f"`IMDBDataModule(download={download!r})` is invalid: download must be True or False.")
         self.save_hyperparameters()

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from lightning_amp_plus._args import check_int
 from lightning_amp_plus.data._collate import pad_collate
 
 __all__ = [
@@ -55,7 +56,7 @@ def synthetic_images(
         ((4, 3, 8, 8), torch.float32, [0, 0, 1, 1])
     """
     for name, value, minimum in (("n", n, 1), ("image_size", image_size, 1), ("num_classes", num_classes, 2)):
-        _check_int("synthetic_images", name, value, minimum)
+        check_int("synthetic_images", name, value, minimum)
     task = torch.Generator().manual_seed(seed)
     # Orientations spread evenly over half a turn, in a seeded order; frequencies 1.5-3 cycles per image.
     angles = torch.randperm(num_classes, generator=task).double() * math.pi / num_classes
@@ -121,13 +122,13 @@ class SyntheticCIFAR10DataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        _check_int(name, "num_train", num_train, 1)
-        _check_int(name, "num_val", num_val, 1)
-        _check_int(name, "image_size", image_size, 4)
-        _check_int(name, "num_classes", num_classes, 2)
-        _check_int(name, "batch_size", batch_size, 1)
-        _check_int(name, "seed", seed, 0)
-        _check_int(name, "num_workers", num_workers, 0)
+        check_int(name, "num_train", num_train, 1)
+        check_int(name, "num_val", num_val, 1)
+        check_int(name, "image_size", image_size, 4)
+        check_int(name, "num_classes", num_classes, 2)
+        check_int(name, "batch_size", batch_size, 1)
+        check_int(name, "seed", seed, 0)
+        check_int(name, "num_workers", num_workers, 0)
         if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
             raise ValueError(f"`{name}(noise={noise!r})` must be a finite number >= 0, e.g. 0.3 (0: no pixel noise).")
         self.save_hyperparameters()
@@ -211,8 +212,8 @@ def synthetic_reviews(
         (torch.int64, True, [0, 0, 1, 1])
     """
     for name, value, minimum in (("n", n, 1), ("vocab_size", vocab_size, 5), ("min_len", min_len, 1)):
-        _check_int("synthetic_reviews", name, value, minimum)
-    _check_int("synthetic_reviews", "max_len", max_len, min_len)
+        check_int("synthetic_reviews", name, value, minimum)
+    check_int("synthetic_reviews", "max_len", max_len, min_len)
     words = vocab_size - _RESERVED
     per_class = max(1, words // 10) if sentiment_words is None else sentiment_words
     if per_class < 1 or 2 * per_class >= words:
@@ -282,16 +283,16 @@ class SyntheticIMDBDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        _check_int(name, "num_train", num_train, 1)
-        _check_int(name, "num_val", num_val, 1)
-        _check_int(name, "vocab_size", vocab_size, 5)
-        _check_int(name, "min_len", min_len, 1)
-        _check_int(name, "max_len", max_len, 1)
+        check_int(name, "num_train", num_train, 1)
+        check_int(name, "num_val", num_val, 1)
+        check_int(name, "vocab_size", vocab_size, 5)
+        check_int(name, "min_len", min_len, 1)
+        check_int(name, "max_len", max_len, 1)
         if max_len < min_len:
             raise ValueError(f"`{name}(min_len={min_len}, max_len={max_len})`: max_len must be >= min_len.")
-        _check_int(name, "batch_size", batch_size, 1)
-        _check_int(name, "seed", seed, 0)
-        _check_int(name, "num_workers", num_workers, 0)
+        check_int(name, "batch_size", batch_size, 1)
+        check_int(name, "seed", seed, 0)
+        check_int(name, "num_workers", num_workers, 0)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.pad_index = PAD_INDEX
@@ -347,8 +348,3 @@ def _dataloader(
 def _sample_seed(seed: int, split: int) -> int:
     # Distinct streams per (seed, split), far from the small seeds the tasks themselves use.
     return 2**40 + seed * len(_SPLITS) * 2 + split
-
-
-def _check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{owner}({name}={value!r})` must be an int >= {minimum}.")

@@ -1,8 +1,8 @@
 """The configuration the shipped models share: optimizer and LR-schedule choices, and their argument checks.
 
 ``configure_optimizers`` of each model calls :func:`configure`; the argument checks run in the models' constructors
-(:func:`check_optim_args`, :func:`check_int`, :func:`check_dropout`), so that a bad choice fails when the model is
-built, not when ``fit`` starts.
+(:func:`check_optim_args`, :func:`check_dropout`, and ``lightning_amp_plus._args.check_int``), so that a bad choice
+fails when the model is built, not when ``fit`` starts.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "check_dropout",
-    "check_int",
     "check_optim_args",
     "configure",
     "parameter_groups",
@@ -59,19 +58,6 @@ def check_optim_args(
         raise ValueError(f"`{owner}(weight_decay={weight_decay!r})` must be a finite number >= 0 (0 turns it off).")
     if not _is_real(momentum) or not 0 <= momentum < 1:
         raise ValueError(f"`{owner}(momentum={momentum!r})` must be in [0, 1), e.g. 0.9 (0 turns it off).")
-
-
-def check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``.
-
-    Example:
-        >>> check_int("CifarCNN", "width", 0, minimum=1)
-        Traceback (most recent call last):
-        ...
-        ValueError: `CifarCNN(width=0)` must be an int >= 1.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{owner}({name}={value!r})` must be an int >= {minimum}.")
 
 
 def check_dropout(owner: str, value: object) -> None:

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_amp_plus._args import check_int
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
 
@@ -67,9 +68,9 @@ class CifarCNN(pl.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        _optim.check_int(name, "num_classes", num_classes, minimum=2)
-        _optim.check_int(name, "in_channels", in_channels, minimum=1)
-        _optim.check_int(name, "width", width, minimum=1)
+        check_int(name, "num_classes", num_classes, minimum=2)
+        check_int(name, "in_channels", in_channels, minimum=1)
+        check_int(name, "width", width, minimum=1)
         if not isinstance(batch_norm, bool):
             raise TypeError(f"`{name}(batch_norm={batch_norm!r})` must be True or False.")
         _optim.check_dropout(name, dropout)

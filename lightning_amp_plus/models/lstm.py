@@ -12,6 +12,7 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torchmetrics.classification import BinaryAccuracy
 from typing_extensions import override
 
+from lightning_amp_plus._args import check_int
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
 
@@ -73,10 +74,10 @@ class ImdbLSTM(pl.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        _optim.check_int(name, "vocab_size", vocab_size, minimum=2)
-        _optim.check_int(name, "embed_dim", embed_dim, minimum=1)
-        _optim.check_int(name, "hidden_dim", hidden_dim, minimum=1)
-        _optim.check_int(name, "num_layers", num_layers, minimum=1)
+        check_int(name, "vocab_size", vocab_size, minimum=2)
+        check_int(name, "embed_dim", embed_dim, minimum=1)
+        check_int(name, "hidden_dim", hidden_dim, minimum=1)
+        check_int(name, "num_layers", num_layers, minimum=1)
         if not isinstance(bidirectional, bool):
             raise TypeError(f"`{name}(bidirectional={bidirectional!r})` must be True or False.")
         _optim.check_dropout(name, dropout)
