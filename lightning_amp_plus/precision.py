@@ -362,8 +362,8 @@ class MixedPrecisionPlugin(Precision):
             else:
                 step_output = self._checker.step(optimizer, **kwargs)
                 self._ledger.record(optimizer, applied=applying)
-        if masters is not None:
-            masters.drop_grads_()  # a skipped step's
+        if masters is not None and not applying:
+            masters.drop_grads_()  # the skipped step's gradients; an applied step's were freed leaving the context
         if self._checker is not None:
             if model.automatic_optimization:
                 self._checker.update()
