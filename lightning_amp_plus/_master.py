@@ -127,7 +127,6 @@ class MasterWeights:
         initial: Mapping[Tensor, Tensor] | None = None,
         keep_allocated: Collection[Tensor] = (),
     ) -> None:
-        self.optimizer = optimizer
         self.model_params: list[Tensor] = []
         self.masters: list[Tensor] = []
         initial = initial or {}
