@@ -353,6 +353,22 @@ class DynamicLossScaler:
         self._floor_skips = 0
         return optimizer.step(*args, **kwargs)
 
+    def discard(self, optimizer: Optimizer) -> None:
+        """Forget what :meth:`unscale_` recorded for ``optimizer`` since the last :meth:`update`, without stepping.
+
+        For a step that does not happen after all (in Lightning, a ``training_step`` that returned ``None``): the next
+        :meth:`unscale_` of ``optimizer`` unscales and checks its gradients afresh, and :meth:`update` does not count
+        the discarded check.
+
+        Example:
+            >>> w = nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([w], lr=0.1)
+            >>> scaler = DynamicLossScaler(init_scale=4.0)
+            >>> scaler.unscale_(opt); scaler.discard(opt)
+            >>> scaler.scale(w.sum()).backward(); scaler.unscale_(opt); w.grad
+            tensor([1.])
+        """
+        self._records.pop(id(optimizer), None)
+
     def update(self, new_scale: float | None = None) -> None:
         """Advance the scale once for everything stepped since the last call; no host sync.
 
