@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing_extensions import override
 
 from lightning_amp_plus import _memory
 from lightning_amp_plus._grads import nonfinite_names
-from lightning_amp_plus.precision import MixedPrecisionPlugin
+from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
 from lightning_amp_plus.report import AmpHistory, StepRecord, require_matplotlib, summary, write_chart
 
 __all__ = ["MixedPrecisionMonitor"]
@@ -33,9 +34,13 @@ class MixedPrecisionMonitor(Callback):
     :attr:`history` for the summary and the chart:
 
     * ``amp/loss_scale``: the scale this step's gradients were scaled by (absent without a scaler).
-    * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when this step was skipped).
+    * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when a step of this batch was skipped).
     * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the scaler's own pass (only under
-      ``MixedPrecisionPlugin``, which measures it anyway; never recomputed).
+      ``MixedPrecisionPlugin``, which measures it anyway; never recomputed). When several optimizers step in one
+      batch (manual optimization), it is the norm over all of their gradients, and ``amp/grad_norm_opt{i}`` gives
+      each optimizer's own (``i``: its position in ``trainer.optimizers``).
+
+    Every optimizer step is counted and recorded, also when several optimizers step in one batch.
     * ``amp/cuda_allocated_mb``, ``amp/cuda_reserved_mb``, ``amp/cuda_peak_mb`` (the peak within the step) on CUDA;
       on CPU ``amp/cpu_rss_mb``, the process's resident memory, instead.
 
@@ -43,12 +48,12 @@ class MixedPrecisionMonitor(Callback):
     and names them. Gradients are checked too when nothing else guards the step (``32-true``, or bf16 without the
     plugin's skip); under a loss scaler, non-finite gradients are ordinary overflows: the step is skipped and counted,
     and the monitor records which parameters overflowed (the scaler already knows) and warns when the skip rate over
-    ``skip_window`` steps passes ``skip_warn_rate`` (counted from the first applied step: the skips while the scale
-    descends from ``init_scale`` are expected), or when the scale sits at its floor. A finding is handled by
-    ``on_nonfinite``: ``"warn"`` names them; ``"raise"`` raises ``FloatingPointError`` naming them; ``"stop"`` saves a
-    debug file (names, step, scale, model state, gradients) under ``trainer.default_root_dir`` and ends ``fit``
-    gracefully; when nothing else guards the step, its non-finite gradients are dropped first, so the parameters stay
-    as they were.
+    ``skip_window`` steps passes ``skip_warn_rate`` (the skips before the first applied step are the scale descending
+    from ``init_scale`` and are not counted, unless no step is ever applied), or when the scale sits at its floor. A
+    finding is handled by ``on_nonfinite``: ``"warn"`` names them; ``"raise"`` raises ``FloatingPointError`` naming
+    them; ``"stop"`` saves a debug file (names, step, scale, model state, gradients) under ``trainer.default_root_dir``
+    and ends ``fit`` gracefully; when nothing else guards the step, its non-finite gradients are dropped first, so the
+    parameters stay as they were.
 
     At the end of ``fit`` a one-paragraph summary is printed (steps, skips and rate, scale range, first and last
     overflow, peak memory, non-finite events) and, with ``report_path``, a PNG chart is written (needs matplotlib:
@@ -110,9 +115,10 @@ class MixedPrecisionMonitor(Callback):
         self.debug_path: Path | None = None
         """The file the ``"stop"`` policy saved, once it has."""
         self._recent: deque[bool] = deque(maxlen=skip_window)
+        self._applied_yet = False
         self._skips_seen = 0
-        self._stepped = False
-        self._scale_before: float | None = None
+        self._first_step = 0
+        self._scales_before: list[float | None] = []
         self._floor_warned = False
         self._cpu_memory_said = False
         self._log_this_step = True
@@ -125,6 +131,7 @@ class MixedPrecisionMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history = AmpHistory(memory_kind="CUDA memory" if self._on_cuda(trainer) else "process memory")
         self._recent.clear()
+        self._applied_yet = False
         # Our plugin's count is a total since the first run, restored from checkpoints: new skips are what it adds.
         plugin = trainer.precision_plugin
         self._skips_seen = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0
@@ -137,7 +144,9 @@ class MixedPrecisionMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._stepped = False
+        self._scales_before.clear()
+        plugin = trainer.precision_plugin
+        self._first_step = plugin.steps_taken if isinstance(plugin, MixedPrecisionPlugin) else 0
         self._log_this_step = _logs_this_step(trainer)
         if self._log_this_step and self.log_memory and self._on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
@@ -146,40 +155,51 @@ class MixedPrecisionMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        if not self._stepped:
-            self._stepped = True
-            # The scale this step's gradients carry (the scaler updates after the step). Free under our plugin.
-            self._scale_before = None if trainer.scaler is None else float(trainer.scaler.get_scale())
+        # Once per optimizer step (several per batch under manual optimization): the scale its gradients carry.
+        self._scales_before.append(None if trainer.scaler is None else float(trainer.scaler.get_scale()))
         if self._checking(trainer) and not self._guarded(trainer):
-            named = [(n, p.grad) for n, p in self._grad_holders(trainer) if p.grad is not None]
+            named = [(n, p.grad) for n, p in self._named if p.grad is not None]
             self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
-
-    def _grad_holders(self, trainer: pl.Trainer) -> list[tuple[str, torch.Tensor]]:
-        """Each parameter's name with the tensor holding its gradient at the step: with master weights, the master."""
-        plugin = trainer.precision_plugin
-        if not isinstance(plugin, MixedPrecisionPlugin):
-            return self._named
-        return [(name, plugin.grad_holder(param)) for name, param in self._named]
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if not self._stepped:
+        steps = self._steps_of_this_batch(trainer)
+        if not steps:
             return  # an accumulating micro-batch: no optimizer step to report
-        step = trainer.global_step - 1
-        skipped, overflowed = self._skip_of_this_step(trainer)
-        plugin = trainer.precision_plugin
-        grad_norm = plugin.last_grad_norm if isinstance(plugin, MixedPrecisionPlugin) else None
         memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
-        self._log(pl_module, skipped, grad_norm, memory)
+        self._log(pl_module, steps, memory)
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
-        self.history.steps.append(StepRecord(step, self._scale_before, skipped, grad_norm, peak))
-        if overflowed:
-            self.history.nonfinite_events.append((step, "overflowed gradients", overflowed))
-        self._watch_skips(trainer)
+        first = trainer.global_step - len(steps)  # global_step counts every optimizer step, skipped or not
+        for offset, step in enumerate(steps):
+            index = first + offset
+            self.history.steps.append(StepRecord(index, step.scale, step.skipped, step.grad_norm, peak))
+            if step.overflow_params:
+                self.history.nonfinite_events.append((index, "overflowed gradients", list(step.overflow_params)))
+            self._watch_skips(trainer)
         if self._checking(trainer) and not self._stopping:
-            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), step)
+            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
+
+    def _steps_of_this_batch(self, trainer: pl.Trainer) -> list[OptimizerStep]:
+        """Every optimizer step this batch took, in order: from our plugin's own record, or read off the scale."""
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecisionPlugin):
+            steps = [step for step in plugin.recent_steps if step.index >= self._first_step]
+            self._skips_seen += sum(step.skipped for step in steps)
+            return steps
+        scales = self._scales_before
+        if trainer.scaler is None or not scales:
+            return [OptimizerStep(i, i, None, False, None) for i in range(len(scales))]
+        # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
+        # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
+        after = [*scales[1:], float(trainer.scaler.get_scale())]
+        steps = [
+            OptimizerStep(i, i, before, next_scale is not None and before is not None and next_scale < before, None)
+            for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
+        ]
+        self._skips_seen += sum(step.skipped for step in steps)
+        return steps
 
     # ----------------------------------------------------------------------------------------------- the end
     @override
@@ -192,24 +212,24 @@ class MixedPrecisionMonitor(Callback):
             print(f"MixedPrecisionMonitor: chart written to {self.report_path}")
 
     # -------------------------------------------------------------------------------------------------- helpers
-    def _log(
-        self,
-        pl_module: pl.LightningModule,
-        skipped: bool,
-        grad_norm: float | None,
-        memory: dict[str, float],
-    ) -> None:
+    def _log(self, pl_module: pl.LightningModule, steps: list[OptimizerStep], memory: dict[str, float]) -> None:
         # `self.log` costs about a millisecond a call, so the metrics are logged only on the steps Lightning writes
         # to its loggers; between them only a changed loss scale is logged, for the progress bar.
-        scale = self._scale_before
+        scale = steps[0].scale  # one scale per batch: the scaler updates once for all of the batch's steps
         metrics: dict[str, float] = {}
         if scale is not None and (self._log_this_step or (self.prog_bar and scale != self._bar_scale)):
             metrics["amp/loss_scale"] = self._bar_scale = scale
         if self._log_this_step:
             metrics["amp/skipped_steps"] = float(self._skips_seen)
-            metrics["amp/step_skipped"] = float(skipped)
-            if grad_norm is not None:
-                metrics["amp/grad_norm"] = grad_norm
+            metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
+            norms = [step.grad_norm for step in steps if step.grad_norm is not None]
+            if norms:
+                # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
+                metrics["amp/grad_norm"] = math.sqrt(sum(norm * norm for norm in norms))
+            if len({step.optimizer for step in steps}) > 1:
+                for step in steps:
+                    if step.grad_norm is not None:
+                        metrics[f"amp/grad_norm_opt{step.optimizer}"] = step.grad_norm
             metrics.update({f"amp/{key}": value for key, value in memory.items()})
         for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
@@ -230,23 +250,14 @@ class MixedPrecisionMonitor(Callback):
             return plugin.skip_nonfinite
         return trainer.scaler is not None
 
-    def _skip_of_this_step(self, trainer: pl.Trainer) -> tuple[bool, list[str]]:
-        plugin = trainer.precision_plugin
-        if isinstance(plugin, MixedPrecisionPlugin):
-            skipped = plugin.skipped_steps > self._skips_seen
-            self._skips_seen = plugin.skipped_steps
-            return skipped, list(plugin.last_overflow_params) if skipped else []
-        if trainer.scaler is not None and self._scale_before is not None:
-            # torch.amp.GradScaler backs the scale off exactly when it skipped the step.
-            skipped = float(trainer.scaler.get_scale()) < self._scale_before
-            self._skips_seen += int(skipped)
-            return skipped, []
-        return False, []
-
     def _watch_skips(self, trainer: pl.Trainer) -> None:
-        # Skips before the first applied step are the scale finding its level from `init_scale`, not a problem.
-        if self._recent or not self.history.steps[-1].skipped:
-            self._recent.append(self.history.steps[-1].skipped)
+        last_skipped = self.history.steps[-1].skipped
+        if not self._applied_yet and not last_skipped:
+            # The skips before the first applied step were the scale finding its level from `init_scale`: not a
+            # problem. A run that never applies a step keeps them, and its window fills with skips.
+            self._applied_yet = True
+            self._recent.clear()
+        self._recent.append(last_skipped)
         window = len(self._recent)
         if window == self.skip_window and sum(self._recent) / window > self.skip_warn_rate:
             rank_zero_warn(
@@ -297,8 +308,8 @@ class MixedPrecisionMonitor(Callback):
             self._stopping = True
             if kind == "gradients":
                 # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
-                for _, holder in self._grad_holders(trainer):
-                    holder.grad = None
+                for _, param in self._named:
+                    param.grad = None
             rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
             return
         rank_zero_warn(message)
@@ -308,7 +319,7 @@ class MixedPrecisionMonitor(Callback):
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
             state = {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
-            grads = {n: p.grad.detach().cpu() for n, p in self._grad_holders(trainer) if p.grad is not None}
+            grads = {n: p.grad.detach().cpu() for n, p in self._named if p.grad is not None}
             torch.save(
                 {
                     "global_step": trainer.global_step,

@@ -1,12 +1,15 @@
-"""``MixedPrecisionPlugin``: the Lightning face of the scaler.
+"""``MixedPrecisionPlugin``: the Lightning face of the scaler and of FP32 master weights.
 
-A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live in :mod:`lightning_amp_plus.scaler`.
+A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live in :mod:`lightning_amp_plus.scaler`
+(loss scaling, the gradient check) and :mod:`lightning_amp_plus._master` (half copies of FP32 weights).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections import deque
+from collections.abc import Callable, Generator, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -15,33 +18,71 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _schedulers
-from lightning_amp_plus._master import MasterWeights, convert_to_half_, default_fp32_modules
+from lightning_amp_plus._master import HalfCopies, managed_parameters, rnn_modules
 from lightning_amp_plus.scaler import DynamicLossScaler
 
-__all__ = ["MixedPrecisionPlugin"]
+__all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
 
 _PRECISIONS = ("16-mixed", "bf16-mixed")
 _FORMAT = "lightning_amp_plus/1"
-# Keys under which Lightning's own plugin (and Lightning < 1.x) stored a GradScaler state.
+# Keys under which Lightning's own plugin (and Lightning before 2.2) stored a GradScaler state.
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+# The largest counter a checkpoint may hold: more optimizer steps than any run takes, far below float precision limits.
+_MAX_COUNT = 2**62
+_RECENT_STEPS = 1024
+
+
+class _DefaultSkips(int):
+    """The default ``max_consecutive_skips`` (50): an ``int`` that remembers it was not passed explicitly.
+
+    So that a scaler passed together with an explicit, different limit is refused, while a scaler passed alone keeps
+    its own limit.
+    """
+
+
+_DEFAULT_SKIPS = _DefaultSkips(50)
+
+
+@dataclass(frozen=True)
+class OptimizerStep:
+    """What one optimizer step under :class:`MixedPrecisionPlugin` looked like (see ``recent_steps``).
+
+    Attributes:
+        index: the plugin's count of optimizer steps before this one (0 for the first step of the first fit).
+        optimizer: the optimizer's position in ``trainer.optimizers``.
+        scale: the loss scale this step's gradients carried (``None`` without a scaler).
+        skipped: whether the step was skipped for non-finite gradients.
+        grad_norm: the global norm of this optimizer's unscaled gradients (``None`` if not measured).
+        overflow_params: on a skipped step, the parameters whose gradients were non-finite.
+    """
+
+    index: int
+    optimizer: int
+    scale: float | None
+    skipped: bool
+    grad_norm: float | None
+    overflow_params: tuple[str, ...] = ()
 
 
 class MixedPrecisionPlugin(Precision):
-    """Mixed-precision training with autocast and a from-scratch dynamic loss scaler.
+    """Mixed-precision training with autocast, a from-scratch dynamic loss scaler and optional FP32 master weights.
 
     ``"16-mixed"`` runs forward under fp16 autocast and scales the loss with a :class:`DynamicLossScaler`;
     ``"bf16-mixed"`` runs under bf16 autocast without scaling. In both, an optimizer step whose gradients hold inf/NaN
     is skipped: parameters and optimizer state stay untouched and, by default, so do the LR schedulers of that
     optimizer.
 
-    Per optimizer step: the closure runs (forward under autocast, backward on the scaled loss); the gradients are
-    unscaled exactly once, checked and measured in one pass; ``on_before_optimizer_step`` hooks and gradient clipping
-    (by norm, reusing the measured norm, or by value) see unscaled gradients; the step is taken or skipped; the scale is
-    updated once per training batch, also when several optimizers step in one batch under manual optimization.
+    Each optimizer step reads as the recipe: the closure runs (forward under autocast, backward of the scaled loss);
+    the gradients are made ready (with master weights: FP32 weights and gradients back; then unscaled exactly once,
+    checked and measured in one pass); ``on_before_optimizer_step`` hooks and clipping (by norm, reusing the measured
+    norm, or by value) see them; the step is taken or skipped; the scale is updated once per training batch, also
+    when several optimizers step in one batch under manual optimization.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -51,20 +92,23 @@ class MixedPrecisionPlugin(Precision):
             checks, as loss scaling requires.
         hold_schedulers_on_skip: do not advance an LR scheduler when every step of its optimizer since its last
             step was skipped (on by default). Off, schedulers step as in Lightning's built-in plugin.
-        max_consecutive_skips: for bf16, how many skipped steps in a row stop training with a diagnosis (``None``
-            never). For fp16 the scaler's own ``max_consecutive_skips`` applies.
-        master_weights: hold the model in the half dtype (fp16 or bf16) and let the optimizer step FP32 master copies
-            (see the README's "FP32 master weights"). Off by default: the model stays FP32, as with Lightning's plugin.
-        keep_fp32: with ``master_weights``, the module types whose parameters and buffers stay FP32 (``None``:
-            normalisation layers, see :func:`~lightning_amp_plus._master.default_fp32_modules`; ``()``: none).
+        max_consecutive_skips: skipped steps in a row after which training stops with a diagnosis (``None``: never;
+            default 50). It configures the default fp16 scaler and the bf16 check; with your own ``scaler``, that
+            scaler's limit applies, and passing a different limit here too is an error.
+        master_weights: keep FP32 master weights and compute in the half dtype (see the README's "FP32 master
+            weights"): in a single process the model's parameters hold FP32 between optimizer steps and a half copy,
+            made once per step, for forward and backward; under DDP the gradients are all-reduced in the half dtype.
+        keep_fp32: with ``master_weights``, the module types whose parameters stay FP32 (``None``: normalisation
+            layers and embeddings, see :func:`~lightning_amp_plus._master.default_fp32_modules`, and tied parameters;
+            ``()``: none, a pure half model).
         fp32_grad_accumulation: with ``master_weights`` and gradient accumulation, add each micro-batch's half
-            gradients into FP32 master gradients right after its backward (kept between micro-batches: 4 bytes per
-            parameter) instead of accumulating in the model's half gradients (the default, which rounds each sum to
-            the half dtype). Single-process only.
+            gradients into FP32 sums right after its backward (4 bytes per parameter kept between micro-batches)
+            instead of summing them in the half dtype.
 
     Attributes:
-        scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it.
-        held_scheduler_steps: scheduler steps not taken because their optimizer's steps were skipped.
+        scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it. Assigning another
+            scaler replaces it for every part of the step.
+        recent_steps: the last optimizer steps, newest last (:class:`OptimizerStep`; up to 1024 kept).
 
     Example:
         >>> from lightning import Trainer
@@ -84,7 +128,7 @@ class MixedPrecisionPlugin(Precision):
         *,
         skip_nonfinite: bool = True,
         hold_schedulers_on_skip: bool = True,
-        max_consecutive_skips: int | None = 50,
+        max_consecutive_skips: int | None = _DEFAULT_SKIPS,
         master_weights: bool = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         fp32_grad_accumulation: bool = False,
@@ -94,42 +138,71 @@ class MixedPrecisionPlugin(Precision):
             raise ValueError(f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed'.")
         if device is not None and (not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu", "mps")):
             raise ValueError(f"`{name}(device={device!r})` is not supported: use 'cuda', 'cpu', 'mps' or None (auto).")
-        if scaler is not None and not isinstance(scaler, DynamicLossScaler):
-            raise TypeError(
-                f"`{name}(scaler={scaler!r})` must be a lightning_amp_plus.DynamicLossScaler. To migrate from "
-                "torch.amp.GradScaler, load its state: `DynamicLossScaler().load_state_dict(grad_scaler.state_dict())`."
-            )
-        if scaler is not None and precision == "bf16-mixed":
-            raise ValueError(
-                f"`{name}(precision='bf16-mixed', scaler=...)`: bf16 has fp32's range and needs no loss scaling. "
-                "Drop `scaler`, or use precision='16-mixed'."
-            )
+        for option, value in (
+            ("skip_nonfinite", skip_nonfinite),
+            ("hold_schedulers_on_skip", hold_schedulers_on_skip),
+            ("master_weights", master_weights),
+            ("fp32_grad_accumulation", fp32_grad_accumulation),
+        ):
+            _check_bool(name, option, value)
+        _check_skip_limit(name, max_consecutive_skips)
         _check_master_options(name, master_weights, keep_fp32, fp32_grad_accumulation)
         self.precision = precision
         self.device = None if device is None else device.split(":")[0]
         self.master_weights = master_weights
-        self.keep_fp32: tuple[type[nn.Module], ...] = default_fp32_modules() if keep_fp32 is None else tuple(keep_fp32)
+        self.keep_fp32: tuple[type[nn.Module], ...] | None = None if keep_fp32 is None else tuple(keep_fp32)
         self.fp32_grad_accumulation = fp32_grad_accumulation
-        # Master state: FP32 values of the half parameters (from the conversion, then the masters themselves, so a
-        # second fit continues from them), the masters of each optimizer, and the hook that saves them.
-        self._fp32_values: dict[Tensor, Tensor] = {}
-        self._masters: dict[int, MasterWeights] = {}
-        self._state_dict_hook: Any = None
-        self.scaler: DynamicLossScaler | None = None
-        if precision == "16-mixed":
-            self.scaler = scaler if scaler is not None else DynamicLossScaler()
-            self._checker: DynamicLossScaler | None = self.scaler
+        self.hold_schedulers_on_skip = hold_schedulers_on_skip
+        self._skip_nonfinite = skip_nonfinite
+        self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
+        self._skip_limit_given = not isinstance(max_consecutive_skips, _DefaultSkips)
+        self._scaler: DynamicLossScaler | None = None
+        self._checker: DynamicLossScaler | None = None
+        if precision == "16-mixed" and scaler is None:
+            self._set_scaler(DynamicLossScaler(max_consecutive_skips=self._skip_limit), "")
+        elif scaler is not None:
+            self._set_scaler(scaler, f"`{name}(precision={precision!r}, scaler={scaler!r})`")
         elif skip_nonfinite:
             # A scale pinned at 1: the same check-and-skip machinery, no multiply.
-            self._checker = DynamicLossScaler(
-                1.0, min_scale=1.0, max_scale=1.0, max_consecutive_skips=max_consecutive_skips
-            )
-        else:
-            self._checker = None
-        self.hold_schedulers_on_skip = hold_schedulers_on_skip
+            self._checker = DynamicLossScaler(1.0, min_scale=1.0, max_scale=1.0, max_consecutive_skips=self._skip_limit)
         self._ledger = _schedulers.StepLedger()
         self._held: list[Any] = []
         self._update_pending = False
+        # Master weights: the half copies of a single-process model (None under DDP, which all-reduces in half).
+        self._copies: HalfCopies | None = None
+        self._optimizer_index: dict[int, int] = {}
+        self._steps_taken = 0
+        self.recent_steps: deque[OptimizerStep] = deque(maxlen=_RECENT_STEPS)
+
+    # ------------------------------------------------------------------------------------------------ the scaler
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: DynamicLossScaler | None) -> None:
+        self._set_scaler(scaler, f"`{type(self).__name__}.scaler = {scaler!r}`")
+
+    def _set_scaler(self, scaler: DynamicLossScaler | None, where: str) -> None:
+        if self.precision == "bf16-mixed":
+            if scaler is None:
+                return
+            raise ValueError(
+                f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
+            )
+        if not isinstance(scaler, DynamicLossScaler):
+            raise TypeError(
+                f"{where}: fp16 needs a lightning_amp_plus.DynamicLossScaler. To migrate from torch.amp.GradScaler, "
+                "load its state: `DynamicLossScaler().load_state_dict(grad_scaler.state_dict())`."
+            )
+        if self._skip_limit_given and scaler.max_consecutive_skips != self._skip_limit:
+            raise ValueError(
+                f"{where}: the scaler's max_consecutive_skips={scaler.max_consecutive_skips!r} differs from "
+                f"MixedPrecisionPlugin(max_consecutive_skips={self._skip_limit!r}): set the limit in one place, e.g. "
+                f"DynamicLossScaler(..., max_consecutive_skips={self._skip_limit!r})."
+            )
+        self._scaler = self._checker = scaler
 
     # ------------------------------------------------------------------------------------------------ visibility
     @property
@@ -160,7 +233,7 @@ class MixedPrecisionPlugin(Precision):
     @property
     def min_scale(self) -> float | None:
         """The scaler's floor (``None`` without a scaler)."""
-        return None if self.scaler is None else self.scaler.min_scale
+        return None if self._scaler is None else self._scaler.min_scale
 
     @property
     def held_scheduler_steps(self) -> int:
@@ -168,26 +241,24 @@ class MixedPrecisionPlugin(Precision):
         return self._ledger.held_steps
 
     @property
+    def steps_taken(self) -> int:
+        """Optimizer steps this plugin has driven (applied or skipped), over every fit."""
+        return self._steps_taken
+
+    @property
     def half_dtype(self) -> torch.dtype:
-        """The autocast dtype (and, with ``master_weights``, the model's): ``torch.float16`` or ``torch.bfloat16``."""
+        """The autocast dtype (and, with ``master_weights``, the compute dtype): fp16 or bf16."""
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
-
-    def grad_holder(self, param: Tensor) -> Tensor:
-        """The tensor whose ``.grad`` the optimizer reads for ``param``: its FP32 master, or ``param`` itself."""
-        return self._fp32_values.get(param, param) if self._masters else param
-
-    def master_params(self, optimizer: Optimizer) -> list[Tensor]:
-        """The FP32 masters that ``optimizer`` steps in place of the model's half parameters (empty without them)."""
-        masters = self._masters.get(id(getattr(optimizer, "optimizer", optimizer)))
-        return [] if masters is None else list(masters.masters)
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.master_weights:
-            # In place: DDPStrategy ignores the returned module. The FP32 values are kept before rounding, so the
-            # masters start from the exact initial (or checkpoint-restored) weights.
-            self._fp32_values.update(convert_to_half_(module, self.half_dtype, self.keep_fp32))
+        if self.master_weights and _fitting(module):
+            # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
+            with torch.no_grad():
+                for param in managed_parameters(module, self.keep_fp32):
+                    if param.dtype != torch.float32:
+                        param.data = param.data.to(torch.float32)
         return module
 
     @override
@@ -196,19 +267,18 @@ class MixedPrecisionPlugin(Precision):
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
         self._refuse_deepspeed(model)
         self._resolve_device(model)
-        if self.master_weights:
-            self._make_masters(model, optimizers)
+        module = _unwrap(model)
+        for optimizer in optimizers:
+            self._refuse_lbfgs(optimizer)
+        self._optimizer_index = {id(_inner(opt)): index for index, opt in enumerate(optimizers)}
+        if self.master_weights and _fitting(module, default=bool(optimizers)):
+            self._set_up_master_weights(model, module)
         if self._checker is not None:
             if _world_size() > 1 and self._checker.process_group is None:
                 # One skip decision for all ranks: an overflow seen on one rank only (a rank-local fault, unused
                 # parameters) must skip the step everywhere, or the replicas drift apart.
                 self._checker.process_group = torch.distributed.group.WORLD
-            names = _unwrapped_names(model)
-            for masters in self._masters.values():
-                names = masters.named_masters(names)
-            self._checker.set_parameter_names(names)
-            for optimizer in optimizers:
-                self._refuse_lbfgs(optimizer)
+            self._checker.set_parameter_names(module.named_parameters())
         if self.hold_schedulers_on_skip and self._checker is not None:
             for config in lr_schedulers:
                 scheduler = getattr(config, "scheduler", config)
@@ -216,47 +286,50 @@ class MixedPrecisionPlugin(Precision):
                 self._held.append(scheduler)
         return super().connect(model, optimizers, lr_schedulers)
 
-    def _make_masters(self, model: nn.Module, optimizers: list[Optimizer]) -> None:
-        if self.fp32_grad_accumulation and _world_size() > 1:
-            raise ValueError(
-                f"`{type(self).__name__}(fp32_grad_accumulation=True)` works in a single process only: across "
-                "processes the accumulated FP32 gradients would not be all-reduced. Drop the option (gradients "
-                "then accumulate in the half dtype and DDP all-reduces them)."
+    def _set_up_master_weights(self, model: nn.Module, module: nn.Module) -> None:
+        if isinstance(model, DistributedDataParallel):
+            # DDP's reducer follows each parameter's gradient accumulator, which a change of the parameter's dtype
+            # replaces: under DDP the parameters stay FP32 (autocast casts them per op) and the gradients travel in
+            # the half dtype instead, compressed by a DDP communication hook (half the bytes).
+            self._compress_all_reduce(model)
+            return
+        if model is not module or _world_size() > 1:
+            raise TypeError(
+                f"{type(self).__name__}(master_weights=True) runs in a single process or under DDP "
+                f"(strategy='ddp'), not under {type(model).__name__}. Use a DDP strategy, or master_weights=False."
             )
-        self._masters.clear()
-        # cuDNN RNN weights must stay in the flat chunk flatten_parameters() made: never released during the step.
-        rnn_params = [p for m in model.modules() if isinstance(m, nn.RNNBase) for p in m.parameters()]
-        for optimizer in optimizers:
-            self._refuse_lbfgs(optimizer)
-            masters = MasterWeights(optimizer, self._fp32_values, keep_allocated=rnn_params)
-            self._masters[id(optimizer)] = masters
-        # From now on the masters are the FP32 values: a second fit of the same model continues from them.
-        self._fp32_values = {param: master for m in self._masters.values() for param, master in m.pairs()}
-        self._hook_state_dict(_unwrap(model))
+        params = managed_parameters(module, self.keep_fp32)
+        sharded = [name for name, p in module.named_parameters() if _is_dtensor(p)]
+        if sharded:
+            raise TypeError(
+                f"{type(self).__name__}(master_weights=True) cannot hold half copies of sharded (DTensor) parameters "
+                f"({', '.join(sharded[:3])}...): use master_weights=False."
+            )
+        self._copies = HalfCopies(params, self.half_dtype, rnn_modules(module))
+        self._copies.hook_state_dicts(module)
 
-    def _hook_state_dict(self, module: nn.Module) -> None:
-        """Make ``module.state_dict()`` (and so every checkpoint) hold the FP32 masters, not the rounded half values."""
-        if self._state_dict_hook is not None:
-            self._state_dict_hook.remove()
-        # The masters reach the model's state_dict before convert_module runs on resume (Lightning restores the
-        # weights first, into the FP32 model), so they come back exact; see `convert_to_half_`.
-        master_of = self._fp32_values
-        names = {name: master_of[p] for name, p in module.named_parameters() if p in master_of}
-
-        def use_masters(_module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
-            for name, master in names.items():
-                if prefix + name in state:
-                    state[prefix + name] = master.detach()
-
-        self._state_dict_hook = module.register_state_dict_post_hook(use_masters)  # type: ignore[no-untyped-call]
+    def _compress_all_reduce(self, model: DistributedDataParallel) -> None:
+        fp16 = self.half_dtype == torch.float16
+        hook = default_hooks.fp16_compress_hook if fp16 else default_hooks.bf16_compress_hook
+        try:
+            model.register_comm_hook(None, hook)  # None: the default process group
+        except RuntimeError:
+            rank_zero_warn(
+                f"{type(self).__name__}(master_weights=True): the DDP model already has a communication hook, so its "
+                "gradients are all-reduced as that hook does, not compressed to the half dtype.",
+                category=UserWarning,
+            )
 
     @override
     def teardown(self) -> None:
         for scheduler in self._held:
             _schedulers.release(scheduler)
         self._held.clear()
-        # The masters (and the state_dict hook that returns them) outlive fit on purpose: the model is still held in
-        # the half dtype, and `model.state_dict()` must keep giving its FP32 values.
+        if self._copies is not None:
+            # After fit the model holds its FP32 weights (and FP32 gradients), as an FP32 model would.
+            self._copies.widen_()
+            self._copies.unhook()
+            self._copies = None
         super().teardown()
 
     def _resolve_device(self, model: nn.Module) -> None:
@@ -285,17 +358,11 @@ class MixedPrecisionPlugin(Precision):
             )
 
     def _refuse_lbfgs(self, optimizer: Any) -> None:
-        if self.master_weights and isinstance(getattr(optimizer, "optimizer", optimizer), LBFGS):
-            raise TypeError(
-                f"{type(self).__name__}(master_weights=True) cannot drive torch.optim.LBFGS: it re-evaluates the "
-                "closure inside `step()`, where half gradients cannot be moved to the FP32 masters. Use another "
-                "optimizer, or master_weights=False."
-            )
-        if isinstance(getattr(optimizer, "optimizer", optimizer), LBFGS):
+        if isinstance(_inner(optimizer), LBFGS) and (self._checker is not None or self.master_weights):
             raise TypeError(
                 f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
-                "closure inside `step()`, where gradients cannot be checked and unscaled first. Use another "
-                "optimizer, or MixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False)."
+                "closure inside `step()`, where gradients cannot be checked, unscaled or widened first. Use another "
+                "optimizer, or MixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False) without master_weights."
             )
 
     # ---------------------------------------------------------------------------------------------- autocast
@@ -313,28 +380,33 @@ class MixedPrecisionPlugin(Precision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        if self._copies is not None:
+            self._copies.narrow_()  # the step's half copies, made once whatever the number of micro-batches
         with self.forward_context():
             yield
-        # Manual optimization: every opt.step() of this batch is done; update the scale once for all of them.
-        if self._update_pending and self._checker is not None:
-            self._checker.update()
+        if self._update_pending:
+            # Manual optimization: every opt.step() of this batch is done; update the scale once for all of them.
+            if self._checker is not None:
+                self._checker.update()
             self._update_pending = False
+            if self._copies is not None:
+                self._copies.widen_idle_()
 
     # ----------------------------------------------------------------------------------------------- backward
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         # Hooks see the true loss; only backward sees the scaled one.
         tensor = super().pre_backward(tensor, module)
-        return tensor if self.scaler is None else self.scaler.scale(tensor)
+        return tensor if self._scaler is None else self._scaler.scale(tensor)
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.fp32_grad_accumulation:
+        if self.fp32_grad_accumulation and self._copies is not None:
             # After every backward, also of micro-batches that do not step: the sum is kept in FP32.
-            for masters in self._masters.values():
-                masters.grads_to_masters_()
+            self._copies.accumulate_grads_()
         return super().post_backward(tensor, module)
 
+    # --------------------------------------------------------------------------------------------------- step
     @override
     def optimizer_step(  # type: ignore[override]
         self,
@@ -343,43 +415,64 @@ class MixedPrecisionPlugin(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        masters = self._masters.get(id(optimizer))
-        if self._checker is None and masters is None:
+        if self._checker is None and self._copies is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         self._refuse_lbfgs(optimizer)
-        closure_result = closure()
+        closure_result = closure()  # forward under autocast, backward of the scaled loss
         if closure_result is None and model.automatic_optimization:
-            # training_step returned None: no backward ran, there is nothing to check or step.
-            self._after_closure(model, optimizer)
-            return closure_result
-        self._unscale(optimizer)
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping: unscaled gradients
-        applying = self._checker is None or not self._checker.found_inf(optimizer)
-        # A step that will apply runs without the model's half weights; they come back rounded from the masters.
-        with masters.half_weights_released() if masters is not None and applying else nullcontext():
-            if self._checker is None:
-                step_output = optimizer.step(**kwargs)
-            else:
-                step_output = self._checker.step(optimizer, **kwargs)
-                self._ledger.record(optimizer, applied=applying)
-        if masters is not None and not applying:
-            masters.drop_grads_()  # the skipped step's gradients; an applied step's were freed leaving the context
+            return self._no_step(optimizer, model)  # training_step returned None: no backward ran
+        self._prepare_grads(optimizer)  # FP32 weights and gradients; unscaled, checked and measured once
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        return self._step_with_ready_grads(optimizer, model, **kwargs)
+
+    def _prepare_grads(self, optimizer: Optimizer) -> None:
+        """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
+        if self._copies is not None:
+            self._copies.widen_(_params_of(optimizer), for_step=True)
         if self._checker is not None:
+            self._checker.unscale_(optimizer)
+
+    def _step_with_ready_grads(self, optimizer: Optimizer, model: pl.LightningModule, **kwargs: Any) -> Any:
+        """Step (or skip) with the prepared gradients; count the step; update the scale once per batch."""
+        if self._checker is None:
+            output = optimizer.step(**kwargs)
+        else:
+            try:
+                output = self._checker.step(optimizer, **kwargs)
+            finally:
+                self._ledger.record(optimizer, applied=not self._checker.last_step_skipped)
+                self._record_step(optimizer)
             if model.automatic_optimization:
                 self._checker.update()
-            else:
-                self._update_pending = True
-        return step_output
+        if not model.automatic_optimization:
+            self._update_pending = True
+        elif self._copies is not None:
+            self._copies.widen_idle_()  # frozen parameters: FP32 again until the next step
+        return output
 
-    def _unscale(self, optimizer: Optimizer) -> None:
-        """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
-        masters = self._masters.get(id(optimizer))
-        if masters is not None:
-            # Widened into FP32 master gradients tensor by tensor (a no-op after FP32 accumulation, or the 2nd time).
-            masters.grads_to_masters_()
-        if self._checker is None:
-            return
-        self._checker.unscale_(optimizer)
+    def _no_step(self, optimizer: Optimizer, model: pl.LightningModule) -> None:
+        """A batch that reached the optimizer without a backward: hooks run (as Lightning's), nothing is stepped."""
+        self._after_closure(model, optimizer)
+        if self._checker is not None:
+            self._checker.discard(optimizer)  # the next step is unscaled and checked afresh
+        if self._copies is not None:
+            self._copies.widen_idle_()
+
+    def _record_step(self, optimizer: Optimizer) -> None:
+        checker = self._checker
+        assert checker is not None
+        skipped = checker.last_step_skipped
+        self.recent_steps.append(
+            OptimizerStep(
+                index=self._steps_taken,
+                optimizer=self._optimizer_index.get(id(optimizer), 0),
+                scale=None if self._scaler is None else self._scaler.last_step_scale,
+                skipped=skipped,
+                grad_norm=checker.grad_norm(optimizer),
+                overflow_params=tuple(checker.last_overflow_params) if skipped else (),
+            )
+        )
+        self._steps_taken += 1
 
     # ------------------------------------------------------------------------------------------------ clipping
     @override
@@ -389,12 +482,11 @@ class MixedPrecisionPlugin(Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if isinstance(optimizer, LightningOptimizer):
-            # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
-            # that both reach the scaler's record of the same optimizer and the gradients are unscaled only once.
-            optimizer = optimizer.optimizer
-        # Under manual optimization users clip before opt.step(): unscale first (a no-op if already done).
-        self._unscale(optimizer)
+        # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
+        # that both reach the scaler's record of the same optimizer and the gradients are unscaled only once.
+        optimizer = _inner(optimizer)
+        # Under manual optimization users clip before opt.step(): prepare first (a no-op if already done).
+        self._prepare_grads(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     @override
@@ -414,7 +506,7 @@ class MixedPrecisionPlugin(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self._checker is None:
             return {}
-        # The masters themselves are in checkpoint["state_dict"] (see _hook_state_dict), not here.
+        # The FP32 weights themselves are in checkpoint["state_dict"]: the model holds them (see _master).
         return {
             "format": _FORMAT,
             "precision": self.precision,
@@ -434,17 +526,25 @@ class MixedPrecisionPlugin(Precision):
             return
         if state_dict.get("format") != _FORMAT or "scaler" not in state_dict or "precision" not in state_dict:
             raise ValueError(self._unreadable_state(state_dict))
-        saved = state_dict.get("precision")
-        if saved != self.precision:
-            raise ValueError(
-                f"The checkpoint was trained with MixedPrecisionPlugin({saved!r}), this run uses {self.precision!r}. "
-                f"Resume with precision={saved!r}, or delete checkpoint['{type(self).__qualname__}'] to start the "
-                "new precision with a fresh scaler."
-            )
+        self._check_saved_setting(state_dict, "precision", self.precision)
+        self._check_saved_setting(state_dict, "master_weights", self.master_weights)
+        held = _saved_count(state_dict, "held_scheduler_steps", type(self).__qualname__)
         if self._checker is not None:
             self._checker.load_state_dict(state_dict["scaler"])
-        held = state_dict.get("held_scheduler_steps", 0)
-        self._ledger.held_steps = held if isinstance(held, int) and held >= 0 else 0
+        self._ledger.held_steps = held
+
+    def _check_saved_setting(self, state_dict: dict[str, Any], key: str, mine: object) -> None:
+        if key not in state_dict:
+            return  # written before the setting was saved: nothing to compare
+        saved = state_dict[key]
+        if type(saved) is not type(mine) or saved != mine:
+            # As the constructor reads: the precision positionally, the other settings by keyword.
+            then, now = (repr(saved), repr(mine)) if key == "precision" else (f"{key}={saved!r}", f"{key}={mine!r}")
+            raise ValueError(
+                f"The checkpoint was trained with MixedPrecisionPlugin({then}), this run uses {now}. "
+                f"Resume with {key}={saved!r}, or delete checkpoint['{type(self).__qualname__}'] to start this "
+                "setting with a fresh scaler."
+            )
 
     def _unreadable_state(self, state_dict: dict[str, Any]) -> str:
         keys = sorted(map(str, state_dict))  # keys of any type: the message must not fail itself
@@ -470,7 +570,7 @@ class MixedPrecisionPlugin(Precision):
                 return
 
     def _load_grad_scaler_state(self, state: dict[str, Any], key: str) -> None:
-        if self.scaler is None:
+        if self._scaler is None:
             rank_zero_warn(
                 f"The checkpoint holds an fp16 GradScaler state under {key!r}; bf16 uses no scaler: ignored."
             )
@@ -480,7 +580,7 @@ class MixedPrecisionPlugin(Precision):
                 f"The checkpoint's {key!r} entry is a {type(state).__name__}, not a GradScaler state dict. Remove "
                 "that key from the checkpoint to start with a fresh scaler."
             )
-        self.scaler.load_state_dict(state)
+        self._scaler.load_state_dict(state)
 
 
 def _world_size() -> int:
@@ -490,6 +590,27 @@ def _world_size() -> int:
 
 def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimizer inside Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:
+    return (param for group in optimizer.param_groups for param in group["params"])
+
+
+def _is_dtensor(param: Tensor) -> bool:
+    return type(param.data).__name__ == "DTensor"
+
+
+def _fitting(module: nn.Module, default: bool = True) -> bool:
+    """Whether the Trainer that holds ``module`` is fitting (``Strategy.setup`` runs for validate/test/predict too)."""
+    trainer = getattr(_unwrap(module), "_trainer", None)
+    if trainer is None:
+        return default
+    return bool(trainer.state.fn == "fit")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
@@ -503,16 +624,44 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _unwrapped_names(model: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameter names as the user wrote them: without the ``module.`` prefixes that DDP and Lightning wrappers add."""
-    return list(_unwrap(model).named_parameters())
+def _check_bool(name: str, option: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}({option}={value!r})` must be True or False, not a {type(value).__name__}.")
+
+
+def _check_skip_limit(name: str, value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"`{name}(max_consecutive_skips={value!r})` must be an int >= 1 (skipped steps in a row before training "
+            "stops with a diagnosis), or None to never stop."
+        )
+
+
+def _saved_count(state: dict[str, Any], key: str, owner: str) -> int:
+    value = state.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"The checkpoint's {owner} state holds {key}={value!r} ({type(value).__name__}); expected an int >= 0. "
+            f"Remove checkpoint['{owner}'] to start with a fresh scaler."
+        )
+    if not 0 <= value <= _MAX_COUNT:
+        raise ValueError(
+            f"The checkpoint's {owner} state holds {key}={value}; expected an int in [0, 2**62]. "
+            f"Remove checkpoint['{owner}'] to start with a fresh scaler."
+        )
+    return value
 
 
 def _check_master_options(
     name: str, master_weights: bool, keep_fp32: Sequence[type[nn.Module]] | None, fp32_grad_accumulation: bool
 ) -> None:
     if master_weights:
-        if keep_fp32 is not None and not all(isinstance(t, type) and issubclass(t, nn.Module) for t in keep_fp32):
+        if keep_fp32 is not None and (
+            isinstance(keep_fp32, (str, bytes))
+            or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in keep_fp32)
+        ):
             raise TypeError(
                 f"`{name}(keep_fp32={keep_fp32!r})` must be a sequence of nn.Module subclasses, e.g. (nn.LayerNorm,)."
             )

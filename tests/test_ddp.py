@@ -8,8 +8,9 @@ fit, then saves what it recorded to a file per rank. The tests compare the two r
 ``strategy="ddp_spawn"`` end to end, because that path pickles the plugin into fresh processes.
 
 What a rank records (:class:`Recorder`): per optimizer step the skip decision, the loss scale, the gradient norm, the
-overflowing parameters it saw itself, and the weights (and FP32 masters) before and after the step; and every
-gradient bucket DDP all-reduced (dtype and bytes), seen by a communication hook.
+overflowing parameters it saw itself, and the weights before and after the step; and every gradient bucket DDP
+all-reduced (dtype and bytes), seen by a communication hook (with master weights, whose half-precision communication
+hook the plugin registers, by the all-reduces that hook makes).
 """
 
 from __future__ import annotations
@@ -108,12 +109,24 @@ recording_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return":
 
 
 def weights(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, list[Tensor]]:
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, MixedPrecisionPlugin)
+    """The module's parameters, and what the optimizer steps (with master weights too: the same FP32 tensors)."""
     return {
         "params": [p.detach().clone() for p in module.parameters()],
-        "masters": [m.detach().clone() for m in plugin.master_params(trainer.optimizers[0])],
+        "masters": [p.detach().clone() for g in trainer.optimizers[0].param_groups for p in g["params"]],
     }
+
+
+class HalfAllReduces:
+    """Records the half-precision all-reduces of the plugin's DDP communication hook (dtype and bytes)."""
+
+    def __init__(self, buckets: list[tuple[str, int]]) -> None:
+        self.buckets = buckets
+        self.original = dist.all_reduce
+
+    def __call__(self, tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
+        if tensor.dtype in (torch.float16, torch.bfloat16):  # not the scaler's float32 overflow flag
+            self.buckets.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return self.original(tensor, *args, **kwargs)
 
 
 class Recorder(pl.Callback):
@@ -130,6 +143,7 @@ class Recorder(pl.Callback):
         self.buckets: list[tuple[str, int]] = []
         self.start: dict[str, Any] = {}
         self._before: dict[str, list[Tensor]] = {}
+        self._recording: HalfAllReduces | None = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         plugin = trainer.precision_plugin
@@ -141,10 +155,19 @@ class Recorder(pl.Callback):
             "skipped_steps": plugin.skipped_steps,
             "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
         }
-        if isinstance(trainer.strategy.model, DistributedDataParallel):
+        if plugin.master_weights:
+            # The plugin has registered its half-precision hook (DDP takes one): watch the all-reduces it makes.
+            self._recording = HalfAllReduces(self.buckets)
+            dist.all_reduce = self._recording  # type: ignore[assignment]
+        elif isinstance(trainer.strategy.model, DistributedDataParallel):
             # Lightning registers `DDPStrategy(ddp_comm_hook=...)` on CUDA only, so register it here (before the first
             # backward, as DDP requires).
             trainer.strategy.model.register_comm_hook(self.buckets, recording_allreduce)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._recording is not None:
+            dist.all_reduce = self._recording.original
+            self._recording = None
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self._before = weights(trainer, pl_module)
@@ -284,12 +307,17 @@ def monitor(out: Path) -> dict[str, Any]:
 
 
 def fp32_grad_accumulation(out: Path) -> dict[str, Any]:
-    """fp32_grad_accumulation=True cannot work across processes: both ranks must refuse it."""
-    try:
-        ddp_fit(RankData(), our_plugin("bf16-mixed", True, fp32_grad_accumulation=True), 2)
-    except ValueError as error:
-        return {"error": type(error).__name__, "message": str(error)}
-    return {"error": None, "message": ""}
+    """Master weights with accumulation, with and without fp32_grad_accumulation (a no-op under DDP)."""
+    results = {}
+    for option in (False, True):
+        torch.manual_seed(0)
+        results[option] = recorded_fit(
+            RankData(fault_steps=()),
+            our_plugin("bf16-mixed", True, fp32_grad_accumulation=option),
+            4,
+            accumulate_grad_batches=2,
+        )
+    return results
 
 
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
@@ -298,7 +326,7 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "accumulation": accumulation,
     "checkpoints": checkpoints,
     "monitor": monitor,
-    "fp32_grad_accumulation": fp32_grad_accumulation,  # last: it ends a fit with an exception
+    "fp32_grad_accumulation": fp32_grad_accumulation,
 }
 
 
@@ -409,15 +437,9 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_the_replicas_s
         # rank that stepped instead would have grown its scale and diverged.
         scales = [b["scale"] for b in record["batches"]]
         assert scales == [1024.0, 2048.0, 2048.0, 1024.0, 1024.0, 2048.0, 2048.0, 4096.0]
-    half = HALF[precision]
-    if master_weights:
-        assert set(record["dtypes"]) == {str(half)}
-        masters, params = record["final"]["masters"], record["final"]["params"]
-        assert all(m.dtype == torch.float32 for m in masters)
-        # The model holds the masters rounded to the half dtype, on every rank.
-        torch.testing.assert_close(params, [m.to(half) for m in masters], rtol=0, atol=0)
-    else:
-        assert set(record["dtypes"]) == {"torch.float32"} and record["final"]["masters"] == []
+    # In every mode the model holds FP32 weights, and they are what the optimizer steps.
+    assert set(record["dtypes"]) == {"torch.float32"}
+    torch.testing.assert_close(record["final"]["params"], record["final"]["masters"], rtol=0, atol=0)
 
 
 def test_without_the_reduction_of_the_overflow_flag_only_the_faulty_rank_skips_and_the_replicas_diverge(
@@ -461,14 +483,14 @@ def test_gradient_accumulation_with_master_weights_all_reduces_once_per_step_and
         for index, batch in enumerate(record["batches"]):
             moved = not torch.equal(batch["after"]["masters"][0], batch["before"]["masters"][0])
             assert moved == (index % 2 == 1), index
-        masters, params = record["final"]["masters"], record["final"]["params"]
-        torch.testing.assert_close(params, [m.to(HALF[precision]) for m in masters], rtol=0, atol=0)
+        assert set(record["dtypes"]) == {"torch.float32"}
 
 
-def test_fp32_grad_accumulation_is_refused_on_every_rank_with_a_clear_error(ranks: list[dict[str, Any]]) -> None:
+def test_fp32_grad_accumulation_under_ddp_trains_exactly_as_without_it(ranks: list[dict[str, Any]]) -> None:
+    """Under DDP the model's gradients are FP32 already (autocast casts per op): they accumulate in FP32 either way."""
     for record in scenario(ranks, "fp32_grad_accumulation"):
-        assert record["error"] == "ValueError"
-        assert "fp32_grad_accumulation=True" in record["message"] and "single process only" in record["message"]
+        torch.testing.assert_close(record[True]["final"], record[False]["final"], rtol=0, atol=0)
+        assert {dtype for dtype, _ in record[True]["buckets"]} == {"torch.bfloat16"}
 
 
 def test_a_checkpoint_written_by_rank_zero_resumes_on_two_ranks_exactly_as_the_uninterrupted_run(
@@ -505,7 +527,7 @@ def test_a_checkpoint_written_by_two_ranks_resumes_in_one_process(ranks: list[di
     # The arithmetic differs from 2 ranks (one process averages nothing), so compare the loaded state, exactly.
     torch.testing.assert_close(start["masters"], list(saved.values()), rtol=0, atol=0)
     torch.testing.assert_close(start["state_dict"], saved, rtol=0, atol=0)
-    torch.testing.assert_close(start["params"], [v.half() for v in saved.values()], rtol=0, atol=0)
+    torch.testing.assert_close(start["params"], list(saved.values()), rtol=0, atol=0)  # FP32 between steps
     assert start["skipped_steps"] == 1 and start["scale"] == checkpoint["MixedPrecisionPlugin"]["scaler"]["scale"]
     # And it trains on: 6 more steps, each applied, every weight finite.
     assert trainer.global_step == 12 and [b["skipped"] for b in recorder.batches] == [False] * 6
