@@ -22,66 +22,122 @@ same, and so does each tensor's memory format (a ``channels_last`` weight stays 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HALF_DTYPES", "HalfCopies", "default_fp32_modules", "managed_parameters", "rnn_modules"]
+__all__ = ["HALF_DTYPES", "HalfCopies", "default_half_modules", "managed_parameters", "repeated_uses", "rnn_modules"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Parameters of these dtypes get FP32 masters; float64 (asked for on purpose) and non-floating ones are left alone.
 _MANAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def default_fp32_modules() -> tuple[type[nn.Module], ...]:
-    """The module types whose parameters stay FP32 by default: normalisation layers and embeddings.
+def default_half_modules() -> tuple[type[nn.Module], ...]:
+    """The module types whose parameters compute from half copies by default: the layers autocast runs in half.
 
-    Normalisation layers need FP32's precision for their statistics and small affine parameters, and their kernels
-    accept half inputs with FP32 weights. Embeddings run outside autocast's casts in Lightning's ``*-mixed`` modes
-    (FP32 lookups), and their gradient sums rows that repeat in a batch: kept FP32, that sum is taken in FP32 as there.
+    For these, autocast casts the weights to the half dtype at every use anyway (Lightning's ``*-mixed``), so a half
+    copy made once per step computes exactly the same values. Every other parameter (normalisation layers, embeddings,
+    a learned positional table added elementwise, a custom module's own weights) stays FP32, and autocast treats it
+    as under ``*-mixed``.
 
     Example:
-        >>> nn.LayerNorm in default_fp32_modules(), nn.Embedding in default_fp32_modules()
-        (True, True)
+        >>> nn.Linear in default_half_modules(), nn.LayerNorm in default_half_modules()
+        (True, False)
     """
-    from torch.nn.modules.batchnorm import _NormBase  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+    return (
+        nn.Linear,
+        nn.Bilinear,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+        nn.MultiheadAttention,
+        nn.RNNBase,
+    )
 
-    return (_NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm, nn.Embedding, nn.EmbeddingBag)
 
+def managed_parameters(
+    module: nn.Module,
+    half_modules: Sequence[type[nn.Module]] | None = None,
+    keep_fp32: Sequence[type[nn.Module]] = (),
+) -> list[nn.Parameter]:
+    """The parameters of ``module`` that compute from half copies, each once (tied parameters are one object).
 
-def managed_parameters(module: nn.Module, keep_fp32: Sequence[type[nn.Module]] | None = None) -> list[nn.Parameter]:
-    """The parameters of ``module`` that compute in the half dtype, each once (tied parameters are one object).
-
-    A parameter is managed when it is floating (fp32, fp16 or bf16) and no module that owns it is one of the
-    ``keep_fp32`` types. With ``keep_fp32=None`` (the default set, :func:`default_fp32_modules`) a parameter reachable
-    under more than one name (tied weights, e.g. an LM's decoder sharing the embedding) stays FP32 too: autograd sums
-    the gradients of its uses inside one backward, and that sum is then taken in FP32, as under ``*-mixed``. An explicit
-    ``keep_fp32`` (``()`` for a pure half model) is taken literally.
+    A parameter is managed when it is floating (fp32, fp16 or bf16), every module that owns it is one of the
+    ``half_modules`` types (default: :func:`default_half_modules`; ``(nn.Module,)`` for all), and none of its owners
+    lies inside a subtree rooted at a ``keep_fp32`` type. A tied parameter (reachable under several names) is managed
+    only if all of its owners qualify: an LM decoder tied to its embedding stays FP32 with the embedding.
 
     Example:
         >>> lm = nn.ModuleDict({"emb": nn.Embedding(10, 4), "proj": nn.Linear(4, 4), "out": nn.Linear(4, 10)})
         >>> lm["out"].weight = lm["emb"].weight  # tied
         >>> [n for n, p in lm.named_parameters() if any(p is q for q in managed_parameters(lm))]
         ['proj.weight', 'proj.bias', 'out.bias']
-        >>> len(managed_parameters(lm, keep_fp32=()))
+        >>> len(managed_parameters(lm, half_modules=(nn.Module,)))
         4
     """
-    keep = default_fp32_modules() if keep_fp32 is None else tuple(keep_fp32)
-    kept: set[int] = set()
-    seen: dict[int, int] = {}
-    ordered: list[nn.Parameter] = []
-    for owner in module.modules():
+    half = default_half_modules() if half_modules is None else tuple(half_modules)
+    keep = tuple(keep_fp32)
+    refused: set[int] = set()
+    ordered: dict[int, nn.Parameter] = {}
+    for owner, kept in _modules_with_kept_flag(module, keep):
         for param in owner.parameters(recurse=False):
-            seen[id(param)] = seen.get(id(param), 0) + 1
-            if keep and isinstance(owner, keep):
-                kept.add(id(param))
-            if seen[id(param)] == 1:
-                ordered.append(param)
-    tied = {key for key, count in seen.items() if count > 1} if keep_fp32 is None else set()
-    return [p for p in ordered if p.dtype in _MANAGED_DTYPES and id(p) not in kept and id(p) not in tied]
+            ordered.setdefault(id(param), param)
+            if kept or not isinstance(owner, half) or param.dtype not in _MANAGED_DTYPES:
+                refused.add(id(param))
+    return [param for key, param in ordered.items() if key not in refused]
+
+
+def _modules_with_kept_flag(module: nn.Module, keep: tuple[type[nn.Module], ...]) -> Iterator[tuple[nn.Module, bool]]:
+    """``(submodule, inside a keep subtree)`` for ``module`` and all its descendants (each module once)."""
+    seen: set[int] = set()
+    stack = [(module, False)]
+    while stack:
+        current, inside = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        inside = inside or (bool(keep) and isinstance(current, keep))
+        yield current, inside
+        stack.extend((child, inside) for child in reversed(list(current.children())))
+
+
+def repeated_uses(output: Tensor, params: Iterable[Tensor]) -> dict[Tensor, int]:
+    """How many times each of ``params`` feeds the autograd graph of ``output``, where that is more than once.
+
+    Autograd sums the gradients of a tensor's uses inside one backward in the tensor's own dtype: for a parameter
+    holding its half copy, in the half dtype (one rounding per extra use), where an FP32 weight cast per use by
+    autocast gets them summed in FP32. One walk over the graph, without running it.
+
+    Example:
+        >>> lin = nn.Linear(2, 2)
+        >>> out = lin(torch.tanh(lin(torch.ones(1, 2)))).sum()  # the layer applied twice
+        >>> {name: n for name, p in lin.named_parameters() for q, n in repeated_uses(out, [p]).items()}
+        {'weight': 2, 'bias': 2}
+    """
+    wanted = {id(p): p for p in params}
+    counts: dict[int, int] = {}
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            leaf = getattr(child, "variable", None)  # an AccumulateGrad node: the edge into a leaf
+            if leaf is not None:
+                if id(leaf) in wanted:
+                    counts[id(leaf)] = counts.get(id(leaf), 0) + 1
+            elif child is not None:
+                stack.append(child)
+    return {wanted[key]: count for key, count in counts.items() if count > 1}
 
 
 class HalfCopies:
@@ -116,10 +172,6 @@ class HalfCopies:
         # later change means somebody wrote into the half copy in place, and that write must not be lost.
         self._fp32: dict[Tensor, Tensor] = {}
         self._versions: dict[Tensor, int] = {}
-        # FP32 gradient sums between micro-batches (`accumulate_grads_`).
-        self._fp32_grads: dict[Tensor, Tensor] = {}
-        # Parameters whose `.grad` is what the last optimizer step used: dropped, not narrowed, at the next narrowing.
-        self._stepped: set[Tensor] = set()
         self._handles: list[RemovableHandle] = []
         with torch.no_grad():
             for param in self.params:
@@ -150,24 +202,17 @@ class HalfCopies:
     def narrow_(self) -> None:
         """Give every parameter that holds FP32 data a half copy of it (the FP32 data is kept aside).
 
-        A gradient that the last optimizer step used is dropped (the next backward starts a new sum; Lightning would
-        zero it before that backward anyway). Any other gradient (a sum still accumulating, widened early, e.g. by a
-        ``load_state_dict`` in the middle of an accumulation cycle) is kept as an FP32 sum that the next backward's
-        half gradients are added to, unrounded.
+        Its gradient, if any (the last step's, until ``zero_grad()`` clears it), stays as it is, in FP32: a backward
+        before that adds its half gradients into it in FP32, as into an FP32 parameter's gradient.
         """
         narrowed = []
         for param in self.params:
             if param in self._fp32:
                 continue
-            grad, fp32 = param.grad, param.data
-            if grad is not None:
-                param.grad = None
-                if param not in self._stepped:
-                    self._fp32_grads[param] = grad
+            fp32 = param.data
             param.data = fp32.to(self.dtype)  # memory format preserved
             self._fp32[param] = fp32
             narrowed.append(param)
-        self._stepped.difference_update(narrowed)
         if narrowed:
             for rnn in self._rnns:
                 rnn.flatten_parameters()
@@ -175,15 +220,11 @@ class HalfCopies:
             self._versions[param] = param._version
 
     @torch.no_grad()
-    def widen_(self, params: Iterable[Tensor] | None = None, *, for_step: bool = False) -> None:
+    def widen_(self, params: Iterable[Tensor] | None = None) -> None:
         """Give ``params`` (default: all) their FP32 data back; each half gradient becomes an FP32 gradient.
 
         One tensor at a time: each half copy and half gradient is released as soon as its FP32 gradient exists. A
         parameter whose half copy was written in place since :meth:`narrow_` keeps what was written.
-
-        Args:
-            params: the parameters to widen (those that hold FP32 already are skipped).
-            for_step: the gradients are for an optimizer step (they are then dropped at the next :meth:`narrow_`).
         """
         for param in self.params if params is None else params:
             fp32 = self._fp32.pop(param, None)
@@ -191,36 +232,29 @@ class HalfCopies:
                 continue
             if param._version != self._versions.pop(param):
                 fp32.copy_(param.data)
-            grad = param.grad
             param.data = fp32
-            total = self._fp32_grads.pop(param, None)
-            if grad is not None:
-                total = grad.to(torch.float32) if total is None else total.add_(grad)
-            param.grad = total
-            if for_step and total is not None:
-                self._stepped.add(param)
+            grad = param.grad
+            if grad is not None and grad.dtype != torch.float32:
+                param.grad = grad.to(torch.float32)
 
     def widen_idle_(self) -> None:
         """Widen every parameter that holds no gradient yet (frozen ones, or ones no backward reached)."""
-        self.widen_([p for p in self._fp32 if p.grad is None and p not in self._fp32_grads])
+        self.widen_([p for p in self._fp32 if p.grad is None])
 
     @torch.no_grad()
-    def accumulate_grads_(self) -> None:
-        """Move the half gradients into FP32 sums kept between micro-batches (4 bytes per parameter).
+    def widen_grads_(self) -> None:
+        """Turn the half gradients of the half parameters into FP32 gradients (4 bytes per parameter).
 
-        Called after each backward, each micro-batch's gradient is rounded to the half dtype once and summed in FP32,
-        as Lightning's ``*-mixed`` accumulation does; :meth:`widen_` hands the sums over.
+        Called before a backward that adds to gradients already there (gradient accumulation), it makes that backward
+        add its half gradients into FP32 sums (autograd accumulates into a gradient of another dtype in place), so each
+        micro-batch's gradient is rounded to the half dtype once and summed in FP32, as Lightning's ``*-mixed``
+        accumulation does.
         """
         for param in self._fp32:
             grad = param.grad
-            if grad is None:
-                continue
-            total = self._fp32_grads.get(param)
-            if total is None:
-                self._fp32_grads[param] = grad.to(torch.float32)
-            else:
-                total.add_(grad)
-            param.grad = None
+            if grad is not None and grad.dtype != torch.float32:
+                # `.data` of the gradient, not `param.grad = ...`: assigning checks the dtype against the parameter's.
+                grad.data = grad.to(torch.float32)
 
     # ---------------------------------------------------------------------------------------------- state dicts
     def hook_state_dicts(self, module: nn.Module) -> None:

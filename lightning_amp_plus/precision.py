@@ -24,7 +24,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _schedulers
-from lightning_amp_plus._master import HalfCopies, managed_parameters, rnn_modules
+from lightning_amp_plus._master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
 from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
@@ -38,15 +38,8 @@ _MAX_COUNT = 2**62
 _RECENT_STEPS = 1024
 
 
-class _DefaultSkips(int):
-    """The default ``max_consecutive_skips`` (50): an ``int`` that remembers it was not passed explicitly.
-
-    So that a scaler passed together with an explicit, different limit is refused, while a scaler passed alone keeps
-    its own limit.
-    """
-
-
-_DEFAULT_SKIPS = _DefaultSkips(50)
+# The default of `max_consecutive_skips`. With a scaler passed too, any other value must equal the scaler's own limit.
+_DEFAULT_SKIPS = 50
 
 
 @dataclass(frozen=True)
@@ -94,16 +87,18 @@ class MixedPrecisionPlugin(Precision):
             step was skipped (on by default). Off, schedulers step as in Lightning's built-in plugin.
         max_consecutive_skips: skipped steps in a row after which training stops with a diagnosis (``None``: never;
             default 50). It configures the default fp16 scaler and the bf16 check; with your own ``scaler``, that
-            scaler's limit applies, and passing a different limit here too is an error.
+            scaler's limit applies, and a limit other than 50 passed here too must equal it.
         master_weights: keep FP32 master weights and compute in the half dtype (see the README's "FP32 master
             weights"): in a single process the model's parameters hold FP32 between optimizer steps and a half copy,
             made once per step, for forward and backward; under DDP the gradients are all-reduced in the half dtype.
-        keep_fp32: with ``master_weights``, the module types whose parameters stay FP32 (``None``: normalisation
-            layers and embeddings, see :func:`~lightning_amp_plus._master.default_fp32_modules`, and tied parameters;
-            ``()``: none, a pure half model).
-        fp32_grad_accumulation: with ``master_weights`` and gradient accumulation, add each micro-batch's half
-            gradients into FP32 sums right after its backward (4 bytes per parameter kept between micro-batches)
-            instead of summing them in the half dtype.
+        half_modules: with ``master_weights``, the module types whose own parameters compute from half copies
+            (``None``: the layers autocast runs in half, :func:`~lightning_amp_plus._master.default_half_modules`:
+            Linear, Conv, attention, RNNs; ``(nn.Module,)``: every floating parameter). All others stay FP32.
+        keep_fp32: with ``master_weights``, module types whose whole subtree stays FP32 anyway (e.g. a discriminator
+            applied twice per loss, see the README).
+        fp32_grad_accumulation: with ``master_weights`` and gradient accumulation, sum the micro-batches' half
+            gradients in FP32, as ``*-mixed`` does (the default; 4 bytes per parameter between micro-batches).
+            ``False`` sums them in the half dtype (2 bytes).
 
     Attributes:
         scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it. Assigning another
@@ -130,8 +125,9 @@ class MixedPrecisionPlugin(Precision):
         hold_schedulers_on_skip: bool = True,
         max_consecutive_skips: int | None = _DEFAULT_SKIPS,
         master_weights: bool = False,
+        half_modules: Sequence[type[nn.Module]] | None = None,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
-        fp32_grad_accumulation: bool = False,
+        fp32_grad_accumulation: bool = True,
     ) -> None:
         name = type(self).__name__
         if precision not in _PRECISIONS:
@@ -146,16 +142,17 @@ class MixedPrecisionPlugin(Precision):
         ):
             _check_bool(name, option, value)
         _check_skip_limit(name, max_consecutive_skips)
-        _check_master_options(name, master_weights, keep_fp32, fp32_grad_accumulation)
+        _check_master_options(name, master_weights, half_modules, keep_fp32, fp32_grad_accumulation)
         self.precision = precision
         self.device = None if device is None else device.split(":")[0]
         self.master_weights = master_weights
-        self.keep_fp32: tuple[type[nn.Module], ...] | None = None if keep_fp32 is None else tuple(keep_fp32)
+        self.half_modules: tuple[type[nn.Module], ...] | None = None if half_modules is None else tuple(half_modules)
+        self.keep_fp32: tuple[type[nn.Module], ...] = () if keep_fp32 is None else tuple(keep_fp32)
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
         self._skip_nonfinite = skip_nonfinite
         self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
-        self._skip_limit_given = not isinstance(max_consecutive_skips, _DefaultSkips)
+        self._skip_limit_given = max_consecutive_skips != _DEFAULT_SKIPS
         self._scaler: DynamicLossScaler | None = None
         self._checker: DynamicLossScaler | None = None
         if precision == "16-mixed" and scaler is None:
@@ -170,6 +167,8 @@ class MixedPrecisionPlugin(Precision):
         self._update_pending = False
         # Master weights: the half copies of a single-process model (None under DDP, which all-reduces in half).
         self._copies: HalfCopies | None = None
+        self._names: dict[int, str] = {}
+        self._batches_narrowed = 0
         self._optimizer_index: dict[int, int] = {}
         self._steps_taken = 0
         self.recent_steps: deque[OptimizerStep] = deque(maxlen=_RECENT_STEPS)
@@ -256,7 +255,7 @@ class MixedPrecisionPlugin(Precision):
         if self.master_weights and _fitting(module):
             # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
             with torch.no_grad():
-                for param in managed_parameters(module, self.keep_fp32):
+                for param in managed_parameters(module, self.half_modules, self.keep_fp32):
                     if param.dtype != torch.float32:
                         param.data = param.data.to(torch.float32)
         return module
@@ -298,13 +297,15 @@ class MixedPrecisionPlugin(Precision):
                 f"{type(self).__name__}(master_weights=True) runs in a single process or under DDP "
                 f"(strategy='ddp'), not under {type(model).__name__}. Use a DDP strategy, or master_weights=False."
             )
-        params = managed_parameters(module, self.keep_fp32)
+        params = managed_parameters(module, self.half_modules, self.keep_fp32)
         sharded = [name for name, p in module.named_parameters() if _is_dtensor(p)]
         if sharded:
             raise TypeError(
                 f"{type(self).__name__}(master_weights=True) cannot hold half copies of sharded (DTensor) parameters "
                 f"({', '.join(sharded[:3])}...): use master_weights=False."
             )
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._batches_narrowed = 0
         self._copies = HalfCopies(params, self.half_dtype, rnn_modules(module))
         self._copies.hook_state_dicts(module)
 
@@ -382,6 +383,7 @@ class MixedPrecisionPlugin(Precision):
     def train_step_context(self) -> Generator[None, None, None]:
         if self._copies is not None:
             self._copies.narrow_()  # the step's half copies, made once whatever the number of micro-batches
+            self._batches_narrowed += 1
         with self.forward_context():
             yield
         if self._update_pending:
@@ -395,16 +397,34 @@ class MixedPrecisionPlugin(Precision):
     # ----------------------------------------------------------------------------------------------- backward
     @override
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        if self._copies is not None:
+            if self.fp32_grad_accumulation:
+                # A backward that adds to earlier micro-batches' half gradients adds in FP32 (as *-mixed): widened
+                # here, not after each backward, so a step without accumulation never holds both half copies and
+                # FP32 gradients.
+                self._copies.widen_grads_()
+            if self._batches_narrowed <= 1:
+                self._warn_repeated_uses(tensor)
         # Hooks see the true loss; only backward sees the scaled one.
         tensor = super().pre_backward(tensor, module)
         return tensor if self._scaler is None else self._scaler.scale(tensor)
 
-    @override
-    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
-        if self.fp32_grad_accumulation and self._copies is not None:
-            # After every backward, also of micro-batches that do not step: the sum is kept in FP32.
-            self._copies.accumulate_grads_()
-        return super().post_backward(tensor, module)
+    def _warn_repeated_uses(self, loss: Tensor) -> None:
+        """Once per fit (its first batch): name the half copies that this backward will sum gradients into."""
+        copies = self._copies
+        assert copies is not None
+        uses = repeated_uses(loss, [p for p in copies.params if copies.holds_half(p)])
+        if not uses:
+            return
+        listed = ", ".join(f"{self._names.get(id(p), '?')} ({n} uses)" for p, n in list(uses.items())[:8])
+        more = f" and {len(uses) - 8} more" if len(uses) > 8 else ""
+        rank_zero_warn(
+            f"{type(self).__name__}(master_weights=True): {listed}{more} feed this loss more than once, so autograd "
+            f"sums their gradients in {str(self.half_dtype).removeprefix('torch.')} (one rounding per extra use), "
+            "where Lightning's *-mixed sums them in FP32. To sum them in FP32, keep their modules FP32 "
+            "(keep_fp32=(YourModule,)), or use each once per loss (e.g. one forward over a concatenated batch).",
+            category=UserWarning,
+        )
 
     # --------------------------------------------------------------------------------------------------- step
     @override
@@ -428,7 +448,7 @@ class MixedPrecisionPlugin(Precision):
     def _prepare_grads(self, optimizer: Optimizer) -> None:
         """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
         if self._copies is not None:
-            self._copies.widen_(_params_of(optimizer), for_step=True)
+            self._copies.widen_(_params_of(optimizer))
         if self._checker is not None:
             self._checker.unscale_(optimizer)
 
@@ -499,6 +519,8 @@ class MixedPrecisionPlugin(Precision):
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if self._checker is not None and self._checker.found_inf(optimizer):
             return  # non-finite gradients: the step will be skipped, so there is nothing worth clipping
+        if all(param.grad is None for param in _params_of(optimizer)):
+            return  # no backward reached them (torch's clip_grad_value_ fails on an empty list)
         super().clip_grad_by_value(optimizer, clip_val)
 
     # --------------------------------------------------------------------------------------------- checkpoints
@@ -655,23 +677,31 @@ def _saved_count(state: dict[str, Any], key: str, owner: str) -> int:
 
 
 def _check_master_options(
-    name: str, master_weights: bool, keep_fp32: Sequence[type[nn.Module]] | None, fp32_grad_accumulation: bool
+    name: str,
+    master_weights: bool,
+    half_modules: Sequence[type[nn.Module]] | None,
+    keep_fp32: Sequence[type[nn.Module]] | None,
+    fp32_grad_accumulation: bool,
 ) -> None:
     if master_weights:
-        if keep_fp32 is not None and (
-            isinstance(keep_fp32, (str, bytes))
-            or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in keep_fp32)
-        ):
-            raise TypeError(
-                f"`{name}(keep_fp32={keep_fp32!r})` must be a sequence of nn.Module subclasses, e.g. (nn.LayerNorm,)."
-            )
+        for option, value, example in (("half_modules", half_modules, "nn.Linear"), ("keep_fp32", keep_fp32, "MyHead")):
+            if value is not None and (
+                isinstance(value, (str, bytes))
+                or not isinstance(value, Sequence)
+                or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in value)
+            ):
+                raise TypeError(
+                    f"`{name}({option}={value!r})` must be a sequence of nn.Module subclasses, e.g. ({example},)."
+                )
         return
-    for option, value, default in (
+    settings: tuple[tuple[str, object, object], ...] = (
+        ("half_modules", half_modules, None),
         ("keep_fp32", keep_fp32, None),
-        ("fp32_grad_accumulation", fp32_grad_accumulation, False),
-    ):
-        if value != default:
+        ("fp32_grad_accumulation", fp32_grad_accumulation, True),
+    )
+    for option, given, default in settings:
+        if given != default:
             raise ValueError(
-                f"`{name}({option}={value!r})` applies to FP32 master weights only: add master_weights=True, or "
+                f"`{name}({option}={given!r})` applies to FP32 master weights only: add master_weights=True, or "
                 f"drop {option}."
             )

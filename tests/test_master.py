@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
-from lightning_amp_plus._master import HalfCopies, default_fp32_modules, managed_parameters
+from lightning_amp_plus._master import HalfCopies, default_half_modules, managed_parameters
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
@@ -47,16 +47,22 @@ def fit(model: pl.LightningModule, plugin: Any = None, steps: int = 24, **kwargs
 
 # ------------------------------------------------------------------------------------------------ lost updates
 class OneWeight(pl.LightningModule):
-    """A single weight w = 1.0 and the loss -w: SGD(lr=1e-4) adds 1e-4 to w at every step."""
+    """A single weight w = 1.0 (a bias-free Linear(1, 1)) and the loss -w: SGD(lr=1e-4) adds 1e-4 to w at every step."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.w = nn.Parameter(torch.ones(1))
+        self.layer = nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            self.layer.weight.fill_(1.0)
         self.dtypes_seen: set[torch.dtype] = set()
+
+    @property
+    def w(self) -> Tensor:
+        return self.layer.weight.view(1)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         self.dtypes_seen.add(self.w.dtype)
-        return -(self.w.float().sum())
+        return -self.layer(torch.ones(1, 1)).float().sum()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=1e-4)
@@ -103,8 +109,9 @@ class Mixed(nn.Module):
         self.norm = nn.LayerNorm(4)
         self.out = nn.Linear(4, 10)
         self.out.weight = self.emb.weight  # tied
+        self.positions = nn.Parameter(torch.zeros(4))  # used elementwise, outside autocast's casts
         self.scale = nn.Parameter(torch.ones(4, dtype=torch.float64))
-        self.register_buffer("pos", torch.zeros(4))
+        self.head = nn.Sequential(nn.Linear(4, 2))
 
 
 def names_of(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
@@ -112,21 +119,37 @@ def names_of(module: nn.Module, params: list[nn.Parameter]) -> list[str]:
     return [name for name, p in module.named_parameters() if id(p) in ids]
 
 
-def test_norms_embeddings_tied_and_float64_parameters_stay_out_by_default() -> None:
+def test_by_default_only_the_layers_autocast_runs_in_half_get_half_copies() -> None:
     model = Mixed()
-    assert names_of(model, managed_parameters(model)) == ["lin.weight", "lin.bias", "out.bias"]
+    # Not the embedding, the LayerNorm, the positions, the float64 scale, nor the decoder weight tied to the embedding.
+    assert names_of(model, managed_parameters(model)) == [
+        "lin.weight",
+        "lin.bias",
+        "out.bias",
+        "head.0.weight",
+        "head.0.bias",
+    ]
 
 
-def test_an_explicit_keep_fp32_is_taken_literally_and_empty_manages_every_floating_parameter() -> None:
+def test_half_modules_widens_the_choice_and_keep_fp32_excludes_whole_subtrees() -> None:
     model = Mixed()
-    assert names_of(model, managed_parameters(model, (nn.LayerNorm,))) == [
+    assert names_of(model, managed_parameters(model, half_modules=(nn.Module,))) == [
+        "positions",
         "emb.weight",  # tied to out.weight: one parameter, once
+        "lin.weight",
+        "lin.bias",
+        "norm.weight",
+        "norm.bias",
+        "out.bias",
+        "head.0.weight",
+        "head.0.bias",
+    ]  # everything floating but the float64 scale
+    assert names_of(model, managed_parameters(model, keep_fp32=(nn.Sequential,))) == [
         "lin.weight",
         "lin.bias",
         "out.bias",
     ]
-    assert len(managed_parameters(model, ())) == 6  # everything but the float64 scale
-    assert all(any(issubclass(kind, t) for t in default_fp32_modules()) for kind in (nn.BatchNorm2d, nn.GroupNorm))
+    assert all(issubclass(kind, default_half_modules()) for kind in (nn.LSTM, nn.Conv2d, nn.MultiheadAttention))
 
 
 def test_half_dtype_parameters_are_widened_to_fp32_masters() -> None:
@@ -155,23 +178,21 @@ def test_widening_turns_the_half_gradient_into_the_same_fp32_gradient() -> None:
     copies.narrow_()
     lin(torch.randn(3, 4, dtype=torch.bfloat16)).sum().backward()
     half = [p.grad.clone() for p in lin.parameters()]  # type: ignore[union-attr]
-    copies.widen_(for_step=True)
+    copies.widen_()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lin.parameters())
     torch.testing.assert_close([p.grad for p in lin.parameters()], [g.float() for g in half], rtol=0, atol=0)
-    copies.narrow_()  # the next step's backward starts a new sum: the stepped gradient is gone
-    assert all(p.grad is None for p in lin.parameters())
 
 
-def test_a_gradient_still_accumulating_survives_an_early_widening_unrounded() -> None:
+def test_a_gradient_kept_across_a_narrowing_goes_on_summing_in_fp32() -> None:
     w = nn.Parameter(torch.zeros(1))
     copies = HalfCopies([w], torch.bfloat16)
     copies.narrow_()
-    (w * 3).sum().backward()
-    copies.widen_()  # e.g. a load_state_dict in the middle of an accumulation cycle (not for a step)
+    (w * 1.0).sum().backward()
+    copies.widen_()  # e.g. a load_state_dict in the middle of an accumulation cycle
     copies.narrow_()
-    (w * 5).sum().backward()
-    copies.widen_(for_step=True)
-    assert w.grad is not None and w.grad.dtype == torch.float32 and w.grad.item() == 8.0
+    (w * 2.0**-9).sum().backward()  # bf16 would round 1 + 2**-9 back to 1
+    copies.widen_()
+    assert w.grad is not None and w.grad.dtype == torch.float32 and w.grad.item() == 1.0 + 2.0**-9
 
 
 def test_fp32_accumulation_sums_each_micro_batch_in_fp32() -> None:
@@ -180,11 +201,10 @@ def test_fp32_accumulation_sums_each_micro_batch_in_fp32() -> None:
     copies.narrow_()
     # 1 + 100 * 2**-9: in bf16 (8 significant bits) every 2**-9 added to 1 is rounded away; in FP32 it is kept.
     (w * 1.0).sum().backward()
-    copies.accumulate_grads_()
     for _ in range(100):
+        copies.widen_grads_()  # before each backward that adds to a sum
         (w * 2.0**-9).sum().backward()
-        copies.accumulate_grads_()
-    copies.widen_(for_step=True)
+    copies.widen_()
     assert w.grad is not None and w.grad.item() == 1.0 + 100 * 2.0**-9
 
 
@@ -260,9 +280,9 @@ def test_fp32_gradient_accumulation_equals_lightnings_mixed_accumulation(precisi
     fit(reference, lightnings(precision), accumulate_grad_batches=4)
     fit(model, ours(precision, fp32_grad_accumulation=True), accumulate_grad_batches=4)
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
-    # The default sums in the half dtype: each partial sum is rounded to 11 (fp16) or 8 (bf16) bits, so the steps
+    # Summed in the half dtype instead, each partial sum is rounded to 11 (fp16) or 8 (bf16) bits, so the steps
     # differ by up to 2**-8 relative; 6 steps of lr 0.05 keep the weights within 1e-3 + 1%.
-    fit(half_accumulating, ours(precision), accumulate_grad_batches=4)
+    fit(half_accumulating, ours(precision, fp32_grad_accumulation=False), accumulate_grad_batches=4)
     torch.testing.assert_close(parameters_of(half_accumulating), parameters_of(reference), rtol=0.01, atol=1e-3)
 
 
@@ -310,7 +330,7 @@ def test_a_pure_fp16_model_trains_with_dynamic_loss_scaling_where_grad_scaler_re
     torch.manual_seed(0)
     model = TinyRegressor(overflow_steps={3})
     model.net.append(nn.LayerNorm(1))
-    plugin = MixedPrecisionPlugin("16-mixed", device="cpu", master_weights=True, keep_fp32=())
+    plugin = MixedPrecisionPlugin("16-mixed", device="cpu", master_weights=True, half_modules=(nn.Module,))
     dtypes = DtypesInStep()
     fit(model, plugin, steps=40, callbacks=[dtypes])
     assert dtypes.seen == {torch.float16}  # the LayerNorm too: nothing kept FP32
@@ -471,7 +491,9 @@ def test_a_second_fit_continues_from_the_fp32_weights_not_rounded_ones() -> None
     ("kwargs", "error", "message"),
     [
         ({"keep_fp32": (nn.LayerNorm,)}, ValueError, r"keep_fp32=.*master weights only: add master_weights=True"),
-        ({"fp32_grad_accumulation": True}, ValueError, r"fp32_grad_accumulation=True.*add master_weights=True"),
+        ({"fp32_grad_accumulation": False}, ValueError, r"fp32_grad_accumulation=False.*add master_weights=True"),
+        ({"half_modules": (nn.Linear,)}, ValueError, r"half_modules=.*master weights only"),
+        ({"master_weights": True, "half_modules": nn.Linear}, TypeError, r"half_modules=<class.*subclasses"),
         ({"master_weights": True, "keep_fp32": ("LayerNorm",)}, TypeError, r"keep_fp32=\('LayerNorm',\).*subclasses"),
         ({"master_weights": True, "keep_fp32": "LayerNorm"}, TypeError, r"keep_fp32='LayerNorm'.*subclasses"),
     ],
