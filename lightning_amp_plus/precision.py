@@ -167,6 +167,8 @@ class MixedPrecisionPlugin(Precision):
         self._update_pending = False
         # Master weights: the half copies of a single-process model (None under DDP, which all-reduces in half).
         self._copies: HalfCopies | None = None
+        self._module: nn.Module | None = None
+        self._step_open = False  # between the first micro-batch of a step and its optimizer step
         self._names: dict[int, str] = {}
         self._batches_narrowed = 0
         self._optimizer_index: dict[int, int] = {}
@@ -306,6 +308,8 @@ class MixedPrecisionPlugin(Precision):
             )
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._batches_narrowed = 0
+        self._module = module
+        self._step_open = False
         self._copies = HalfCopies(params, self.half_dtype, rnn_modules(module))
         self._copies.hook_state_dicts(module)
 
@@ -382,7 +386,11 @@ class MixedPrecisionPlugin(Precision):
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
         if self._copies is not None:
-            self._copies.narrow_()  # the step's half copies, made once whatever the number of micro-batches
+            # The step's half copies, made once whatever the number of micro-batches. At the start of a step under
+            # automatic optimization, the last step's gradients would be zeroed before the next backward: freed now,
+            # they stay out of the forward's memory.
+            self._copies.narrow_(drop_grads=not self._step_open and self._zeroed_before_backward())
+            self._step_open = True
             self._batches_narrowed += 1
         with self.forward_context():
             yield
@@ -468,6 +476,7 @@ class MixedPrecisionPlugin(Precision):
             self._update_pending = True
         elif self._copies is not None:
             self._copies.widen_idle_()  # frozen parameters: FP32 again until the next step
+        self._step_open = False
         return output
 
     def _no_step(self, optimizer: Optimizer, model: pl.LightningModule) -> None:
@@ -477,6 +486,21 @@ class MixedPrecisionPlugin(Precision):
             self._checker.discard(optimizer)  # the next step is unscaled and checked afresh
         if self._copies is not None:
             self._copies.widen_idle_()
+        self._step_open = False
+
+    def _zeroed_before_backward(self) -> bool:
+        """Whether Lightning will zero the gradients before the next backward (automatic optimization, as shipped).
+
+        Not when the module overrides ``optimizer_zero_grad`` (it may keep them), nor while Lightning skips backward
+        altogether (``StochasticWeightAveraging``'s batch-norm epoch, which then steps with the gradients left).
+        """
+        module = self._module
+        if not isinstance(module, pl.LightningModule) or not module.automatic_optimization:
+            return False
+        if type(module).optimizer_zero_grad is not pl.LightningModule.optimizer_zero_grad:
+            return False
+        trainer = module._trainer
+        return trainer is None or not getattr(trainer.fit_loop, "_skip_backward", False)
 
     def _record_step(self, optimizer: Optimizer) -> None:
         checker = self._checker

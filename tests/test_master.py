@@ -539,3 +539,52 @@ def test_rnn_weights_are_reflattened_after_each_narrowing(monkeypatch: pytest.Mo
     fit(model, ours("bf16-mixed"), steps=3)
     # cuDNN wants an RNN's weights in one flat chunk: each step's half copies are flattened (a no-op off CUDA).
     assert calls.count(torch.bfloat16) == 3 and model.lstm.weight_ih_l0.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------- the last step's gradients
+class GradsInForward(TinyRegressor):
+    """Counts the gradients alive while ``training_step`` (the forward) runs."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.alive: list[int] = []
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.alive.append(sum(p.grad is not None for p in self.parameters()))
+        return super().training_step(batch, batch_idx)
+
+
+class ZeroesInPlace(GradsInForward):
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        optimizer.zero_grad(set_to_none=False)  # a common override: the gradients stay allocated
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_last_steps_gradients_are_freed_before_the_forward_unless_zero_grad_is_overridden(precision: str) -> None:
+    # Lightning zeroes them after the forward (before backward): freeing them first saves 4 bytes per parameter there.
+    stock = GradsInForward()
+    fit(stock, ours(precision), steps=4)
+    assert stock.alive == [0, 0, 0, 0]
+    # An overridden optimizer_zero_grad decides itself: the gradients stay, and training equals Lightning's.
+    torch.manual_seed(0)
+    reference = ZeroesInPlace()
+    model = copy.deepcopy(reference)
+    fit(reference, lightnings(precision), steps=4)
+    fit(model, ours(precision), steps=4)
+    assert model.alive == [0, 4, 4, 4]
+    torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
+
+
+class RaisesInStep(TinyRegressor):
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.trainer.global_step == 3:
+            raise RuntimeError("user code failed")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_run_that_fails_during_a_step_leaves_the_model_in_fp32_and_unhooked() -> None:
+    model = RaisesInStep()
+    with pytest.raises(RuntimeError, match="user code failed"):
+        fit(model, ours("bf16-mixed"), steps=6)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert sum(len(m._state_dict_hooks) for m in model.modules()) == 0
