@@ -8,15 +8,16 @@ What is measured
       optimizer step. Compared at ``bf16-mixed`` (with ``--fp16`` also at ``16-mixed``; fp16 autocast is slow on CPU):
 
       * ``ours``: ``MixedPrecisionPlugin(p, device="cpu")`` against ``MixedPrecision(p, "cpu")`` (Lightning's);
-      * ``ours + master weights``: ``MixedPrecisionPlugin(p, device="cpu", master_weights=True)`` (model held in the
-        half dtype, FP32 masters in the optimizer) against the same Lightning run. The arithmetic differs (the forward
-        reads half weights instead of casting FP32 ones, and the step copies masters back), so this ratio says what
-        the option costs or saves on this CPU.
+      * ``ours + master weights``: ``MixedPrecisionPlugin(p, device="cpu", master_weights=True)`` against the same
+        Lightning run. Under DDP the model stays FP32 and the plugin registers DDP's half-precision compression hook,
+        so the gradients travel in the half dtype: this ratio says what that costs or saves on this CPU.
 
     * Bytes all-reduced per optimizer step: a DDP communication hook adds up the bytes of every gradient bucket (then
       all-reduces it as DDP does by default), in a separate short run per configuration: the hook is not installed
       in the timed runs, where a Python hook would add its own cost to every bucket. Lightning only registers
       ``DDPStrategy(ddp_comm_hook=...)`` on CUDA, so the hook is registered on the DDP module at ``on_train_start``.
+      With master weights the plugin's own hook holds DDP's one hook slot: there the half-precision tensors it hands
+      to ``torch.distributed.all_reduce`` are counted instead.
 
 How
     Two processes are started torchrun-style (``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set, so
@@ -103,14 +104,26 @@ _counting_allreduce.__annotations__.update({"bucket": dist.GradBucket, "return":
 
 
 class BucketCounter(pl.Callback):
-    """Registers the counting hook on the DDP module before the first backward."""
+    """Registers the counting hook on the DDP module before the first backward (or counts the plugin's all-reduces)."""
 
     def __init__(self) -> None:
         self.buckets: list[tuple[str, int]] = []
+        self._all_reduce = dist.all_reduce
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert isinstance(trainer.strategy.model, DistributedDataParallel)
-        trainer.strategy.model.register_comm_hook(self.buckets, _counting_allreduce)
+        if getattr(trainer.precision_plugin, "master_weights", False):
+            dist.all_reduce = self._counting  # type: ignore[assignment]
+        else:
+            trainer.strategy.model.register_comm_hook(self.buckets, _counting_allreduce)
+
+    def _counting(self, tensor: Tensor, *args: object, **kwargs: object) -> object:
+        if tensor.dtype in (torch.float16, torch.bfloat16):  # the compressed buckets, not the scaler's float32 flag
+            self.buckets.append((str(tensor.dtype), tensor.numel() * tensor.element_size()))
+        return self._all_reduce(tensor, *args, **kwargs)  # type: ignore[arg-type]
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        dist.all_reduce = self._all_reduce
 
 
 def _fit(config: Config, steps: int, seed: int, callback: pl.Callback) -> pl.Trainer:
