@@ -653,3 +653,13 @@ def test_skips_while_the_scale_first_descends_from_init_scale_do_not_count_towar
     assert _skip_warnings({0, 1, 2, 3, 8}, steps=14) == []
     # The same overflows after an applied step do count: 4 of 10 > 20%.
     assert len(_skip_warnings({1, 2, 3, 4}, steps=11)) == 1
+
+
+def test_a_run_that_never_applies_a_step_warns_once_its_window_is_full_of_skips():
+    # A scale that can never back off (backoff_factor=1.0) overflows at every step: no step is ever applied, so the
+    # skips are not the scale's first descent; without a stop limit the run would go on silently.
+    plugin = fp16_plugin(init_scale=2.0**10, backoff_factor=1.0, max_consecutive_skips=None)
+    monitor = MixedPrecisionMonitor(skip_window=10, skip_warn_rate=0.2)
+    _, caught = fit_catching_warnings(Faulty(overflow_steps=range(100)), plugin, monitor=monitor, steps=12)
+    said = messages([w for w in caught if w.category is RuntimeWarning], "optimizer steps were skipped")
+    assert len(said) == 1 and "10 of the last 10 optimizer steps were skipped" in said[0]

@@ -727,3 +727,89 @@ def test_garbage_under_lightnings_scaler_key_names_the_key() -> None:
     plugin = MixedPrecisionPlugin("16-mixed", device="cpu")
     with pytest.raises(TypeError, match=r"checkpoint's 'MixedPrecision' entry is a str, not a GradScaler state"):
         plugin.on_load_checkpoint({"MixedPrecision": "garbage"})
+
+
+# ---------------------------------------------------------------------------------------------- option checks
+@pytest.mark.parametrize("option", ["skip_nonfinite", "hold_schedulers_on_skip", "master_weights"])
+@pytest.mark.parametrize("value", ["false", "no", 0, 1, None])
+def test_flags_must_be_bools_and_the_error_names_the_option_and_the_value(option: str, value: Any) -> None:
+    with pytest.raises(
+        TypeError, match=rf"`MixedPrecisionPlugin\({option}={re.escape(repr(value))}\)` must be True or False"
+    ):
+        MixedPrecisionPlugin("bf16-mixed", **{option: value})
+
+
+def test_fp32_grad_accumulation_must_be_a_bool_too() -> None:
+    with pytest.raises(TypeError, match=r"fp32_grad_accumulation='no'\)` must be True or False"):
+        MixedPrecisionPlugin("bf16-mixed", master_weights=True, fp32_grad_accumulation="no")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", ["abc", -5, 0, 2.5, True])
+def test_max_consecutive_skips_must_be_a_positive_int_or_none(value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"max_consecutive_skips={re.escape(repr(value))}\)` must be an int >= 1"):
+        MixedPrecisionPlugin("16-mixed", max_consecutive_skips=value)
+
+
+def test_max_consecutive_skips_given_to_the_plugin_configures_the_default_fp16_scaler() -> None:
+    plugin = MixedPrecisionPlugin("16-mixed", max_consecutive_skips=5)
+    assert plugin.scaler is not None and plugin.scaler.max_consecutive_skips == 5
+    assert MixedPrecisionPlugin("16-mixed", max_consecutive_skips=None).scaler.max_consecutive_skips is None  # type: ignore[union-attr]
+
+
+def test_a_scaler_keeps_its_own_limit_and_a_different_explicit_plugin_limit_is_refused() -> None:
+    own = DynamicLossScaler(max_consecutive_skips=10)
+    assert MixedPrecisionPlugin("16-mixed", scaler=own).scaler is own and own.max_consecutive_skips == 10
+    assert MixedPrecisionPlugin("16-mixed", scaler=own, max_consecutive_skips=10).scaler is own
+    with pytest.raises(
+        ValueError, match=r"max_consecutive_skips=10 differs from .*max_consecutive_skips=5\).*one place"
+    ):
+        MixedPrecisionPlugin("16-mixed", scaler=own, max_consecutive_skips=5)
+
+
+def test_an_overflow_at_every_step_stops_at_the_plugins_limit_in_fp16() -> None:
+    plugin = MixedPrecisionPlugin("16-mixed", device="cpu", max_consecutive_skips=3)
+    plugin.scaler.load_state_dict({"scale": 1.0})  # type: ignore[union-attr]  # at the floor from the start
+    with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row were skipped"):
+        make_trainer(plugin, max_steps=20, max_epochs=-1).fit(TinyRegressor(overflow_steps=range(20)), loader(n=160))
+
+
+# ------------------------------------------------------------------------------------ checkpointed plugin state
+def bf16_plugin(**options: Any) -> MixedPrecisionPlugin:
+    return MixedPrecisionPlugin("bf16-mixed", device="cpu", **options)
+
+
+def saved_plugin_state(tmp_path: Path, **plugin_options: Any) -> Path:
+    trainer = make_trainer(bf16_plugin(**plugin_options), max_steps=2)
+    trainer.fit(TinyRegressor(), loader())
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")
+    return tmp_path / "saved.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        (-7, ValueError, r"held_scheduler_steps=-7; expected an int in \[0, 2\*\*62\]"),
+        (2**70, ValueError, r"held_scheduler_steps=\d+; expected an int in \[0, 2\*\*62\]"),
+        ("lots", TypeError, r"held_scheduler_steps='lots' \(str\); expected an int >= 0"),
+        (1.5, TypeError, r"held_scheduler_steps=1.5 \(float\)"),
+    ],
+)
+def test_a_corrupt_held_scheduler_count_is_refused_naming_the_key(
+    tmp_path: Path, value: Any, error: type[Exception], message: str
+) -> None:
+    path = saved_plugin_state(tmp_path)
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["MixedPrecisionPlugin"]["held_scheduler_steps"] = value
+    torch.save(checkpoint, path)
+    with pytest.raises(error, match=message):
+        make_trainer(bf16_plugin(), max_steps=3, max_epochs=-1).fit(TinyRegressor(), loader(), ckpt_path=path)
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_resuming_with_another_master_weights_setting_is_refused_with_the_way_out(tmp_path: Path, saved: bool) -> None:
+    path = saved_plugin_state(tmp_path, master_weights=saved)
+    resumed = make_trainer(bf16_plugin(master_weights=not saved), max_steps=3, max_epochs=-1)
+    with pytest.raises(
+        ValueError, match=rf"master_weights={saved}\), this run uses master_weights={not saved}.*Resume"
+    ):
+        resumed.fit(TinyRegressor(), loader(), ckpt_path=path)
