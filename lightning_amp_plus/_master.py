@@ -3,8 +3,8 @@
 The model's own parameters *are* the masters. Between optimizer steps every managed parameter holds its FP32 value,
 so the optimizer steps the model's own ``Parameter`` objects, ``state_dict()`` returns them, and everything else that
 touches the model (callbacks that average, load or freeze weights, the optimizer's param groups) sees what it would see
-in an FP32 model. For the forward and backward of a step, :class:`HalfCopies` swaps each parameter's data for a half
-copy made once (:meth:`HalfCopies.narrow_`), so:
+in an FP32 model. For the forward and backward of a step, :class:`HalfCopies` swaps the data of each parameter of the
+layers autocast runs in half (:func:`managed_parameters`) for a half copy made once (:meth:`HalfCopies.narrow_`), so:
 
 * the weights take 2 bytes each while activations are made, and no per-forward weight casts are needed (autocast finds
   them in the half dtype already, however many micro-batches a step accumulates);
@@ -187,15 +187,6 @@ class HalfCopies:
     def holds_half(self, param: Tensor) -> bool:
         """Whether ``param`` currently holds its half copy."""
         return param in self._fp32
-
-    @property
-    def any_half(self) -> bool:
-        """Whether some parameter holds its half copy."""
-        return bool(self._fp32)
-
-    def fp32_data(self, param: Tensor) -> Tensor:
-        """The FP32 value of ``param`` (its data between steps, its kept FP32 data while it holds the half copy)."""
-        return self._fp32.get(param, param.data)
 
     # ------------------------------------------------------------------------------------------------- swaps
     @torch.no_grad()
