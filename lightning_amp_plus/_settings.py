@@ -227,6 +227,61 @@ class AmpSettings:
             return {"precision": "32-true"}
         return {"plugins": self.plugins(device)}
 
+    def configures_the_plugin(self) -> bool:
+        """Whether any plugin setting differs from its default (the precision ``bf16-mixed``, everything else unset).
+
+        Example:
+            >>> AmpSettings().configures_the_plugin(), AmpSettings("16-mixed").configures_the_plugin()
+            (False, True)
+        """
+        return (
+            self.precision != "bf16-mixed"
+            or self.master_weights
+            or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, "max_consecutive_skips"))
+        )
+
+    def trainer_arguments(self, trainer: Any) -> dict[str, Any]:
+        """``plugins`` and ``callbacks`` for a Trainer whose own settings are ``trainer`` (LightningCLI's group).
+
+        The monitor joins the Trainer's callbacks. The plugin joins its plugins unless the Trainer's own precision
+        settings (``--trainer.precision``, a precision plugin in ``--trainer.plugins``) are given: those win, with
+        the monitor still attached. Both at once, with a plugin setting changed here too, is refused.
+
+        Raises:
+            ValueError: ``trainer`` sets the precision and so do these settings; the message says which flag to use.
+
+        Example:
+            >>> kwargs = AmpSettings().trainer_arguments({"precision": "16-mixed"})
+            >>> kwargs["plugins"], [type(c).__name__ for c in kwargs["callbacks"]]
+            (None, ['MixedPrecisionMonitor'])
+        """
+        from lightning.pytorch.plugins.precision import Precision
+
+        plugins = _as_list(trainer.get("plugins"))
+        callbacks = _as_list(trainer.get("callbacks")) + self.callbacks()
+        theirs = [p for p in plugins if isinstance(p, Precision | str)]
+        if trainer.get("precision") is None and not theirs:
+            return {"plugins": [*plugins, *self.plugins()] or None, "callbacks": callbacks}
+        if self.configures_the_plugin():
+            given = (
+                f"--trainer.precision {trainer.get('precision')}"
+                if trainer.get("precision") is not None
+                else f"--trainer.plugins {type(theirs[0]).__name__ if not isinstance(theirs[0], str) else theirs[0]}"
+            )
+            raise ValueError(
+                f"{given} and --amp.* ({self._changed()}) both set the precision. Use one: --amp.* for "
+                "MixedPrecisionPlugin (with --amp.precision 32-true for no plugin), or the Trainer's own flag with "
+                "--amp.* left at its defaults (the monitor is attached either way)."
+            )
+        return {"plugins": plugins or None, "callbacks": callbacks}
+
+    def _changed(self) -> str:
+        defaults = AmpSettings()
+        names = ("precision", "master_weights", *_SCALER_FIELDS, "max_consecutive_skips")
+        return ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
+        )
+
     def callbacks(self) -> list[Callback]:
         """``[MixedPrecisionMonitor(report_path=...)]``, or ``[]`` without the monitor."""
         if not self.monitor:
@@ -234,6 +289,10 @@ class AmpSettings:
         from lightning_amp_plus.monitor import MixedPrecisionMonitor
 
         return [MixedPrecisionMonitor(report_path=self.report_path)]
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
 
 
 def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False) -> str | None:
