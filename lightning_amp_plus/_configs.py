@@ -1,4 +1,4 @@
-"""The precision set-ups compared side by side: one table for ``amp-plus compare`` and its command line.
+"""The precision set-ups compared side by side: one table for ``amp-plus compare`` and ``benchmarks/bench_master.py``.
 
 Plain data; torch and Lightning are imported only when a set-up's Trainer arguments are built, so the command line
 can list the names without importing them.

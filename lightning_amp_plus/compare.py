@@ -9,7 +9,7 @@ optimizer steps, then validates once:
 * ``ours-16-mixed-master``, ``ours-bf16-mixed-master``: the same with ``master_weights=True``.
 * ``lightning-bf16-true`` (only when named in ``--configs``): Lightning's ``precision="bf16-true"``, weights in bf16.
 
-The set-ups are the table in :mod:`lightning_amp_plus._configs`.
+The set-ups are the table in :mod:`lightning_amp_plus._configs`, which ``benchmarks/bench_master.py`` reads too.
 
 Measured per configuration: the median step time after warm-up (a callback times each training batch, from
 ``on_train_batch_start`` to ``on_train_batch_end``, synchronising CUDA at both ends: forward, backward and optimizer

@@ -14,7 +14,7 @@ from helpers import usage_error
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_amp_plus import cli, compare, doctor
-from lightning_amp_plus._configs import COMPARE_DEFAULT
+from lightning_amp_plus._configs import COMPARE_DEFAULT, SETUPS
 from lightning_amp_plus._runs import build_datamodule, build_model
 from lightning_amp_plus.cli import main
 from lightning_amp_plus.compare import RunSpec, StepTimer, run_config_isolated
@@ -156,3 +156,22 @@ def test_a_worker_that_fails_ends_the_command_with_its_output_and_exit_code_1(
     assert err.startswith("amp-plus compare: stopped: configuration '32-true' failed in its worker process")
     assert "(exit code 1)" in err
     assert "RuntimeError: out of memory" in err
+
+
+def test_compare_and_the_master_weight_benchmark_read_one_table_of_set_ups() -> None:
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_master_under_test", bench / "bench_master.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    assert [config.key for config in module.CONFIGS] == list(SETUPS)
+    assert [config.label for config in module.CONFIGS] == [setup.label for setup in SETUPS.values()]
+    assert cli.build_parser().parse_args(["compare", "--configs", *SETUPS]).configs == list(SETUPS)
