@@ -342,18 +342,22 @@ def test_a_chart_without_matplotlib_is_a_usage_error(
 def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
     chart = tmp_path / "amp.png"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
     argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
-            "--report", str(chart)]  # fmt: skip
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
+            "--report", str(chart), "--progress-bar"]  # fmt: skip
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
         assert process.stdout is not None
-        first = process.stdout.readline()  # printed just before fit starts
-        assert first.startswith("amp-plus train cnn: bf16-mixed on cpu"), first
-        time.sleep(1.5)  # some steps (a few ms each)
+        seen, deadline = b"", time.monotonic() + 120
+        while b"Epoch 0:" not in seen and time.monotonic() < deadline and process.poll() is None:
+            seen += os.read(process.stdout.fileno(), 4096)
+        assert b"Epoch 0:" in seen, seen
+        time.sleep(0.5)  # some steps (a few ms each)
         process.send_signal(signal.SIGINT)
-        out, err = process.communicate(timeout=60)
+        rest, err_bytes = process.communicate(timeout=60)
+    out, err = (seen + rest).decode(), err_bytes.decode()
     assert process.returncode == 130, err
     assert "Traceback" not in out + err
-    assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out
+    assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
     assert f"chart written to {chart}" in out and chart.read_bytes()[:8] == PNG_SIGNATURE
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
 
