@@ -123,12 +123,12 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from _ab import load, quiet, verdict  # same directory
-from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_amp_plus import MixedPrecisionPlugin
+from lightning_amp_plus._configs import SETUPS, PrecisionSetup
 from lightning_amp_plus._master import managed_parameters
 
 MIB = 2**20
@@ -154,42 +154,28 @@ class Config:
     trainer_kwargs: Callable[[str], dict[str, Any]]
 
 
-def _lightning_mixed(precision: str) -> Callable[[str], dict[str, Any]]:
-    def build(device: str) -> dict[str, Any]:
-        scaler = None
-        if precision == "16-mixed":
-            scaler = torch.amp.GradScaler(device, init_scale=_INIT_SCALE, growth_interval=10_000)
-        return {"plugins": [MixedPrecision(precision, device, scaler=scaler)]}  # type: ignore[arg-type]
-
-    return build
+def _memory_model(setup: PrecisionSetup) -> str:
+    if setup.precision == "32-true":
+        return "fp32"
+    if setup.precision == "bf16-true":
+        return "half"
+    return "masters" if setup.master_weights else "autocast"
 
 
-def _ours(precision: str, master_weights: bool) -> Callable[[str], dict[str, Any]]:
-    def build(device: str) -> dict[str, Any]:
-        scaler = None
-        if precision == "16-mixed":
-            scaler = DynamicLossScaler(init_scale=_INIT_SCALE, growth_interval=10_000)
-        plugin = MixedPrecisionPlugin(
-            precision,  # type: ignore[arg-type]
-            device=device,
-            scaler=scaler,
-            master_weights=master_weights,
-        )
-        return {"plugins": [plugin]}
-
-    return build
+def _config(setup: PrecisionSetup) -> Config:
+    # The same scaler settings for Lightning's GradScaler and ours: a fixed start, no growth within the run.
+    options = {"init_scale": _INIT_SCALE, "growth_interval": 10_000}
+    return Config(
+        setup.name,
+        setup.label,
+        _memory_model(setup),
+        setup.precision != "32-true",
+        lambda device: setup.trainer_kwargs(device, scaler_options=options),
+    )
 
 
-CONFIGS = (
-    Config(_BASE, "32-true", "fp32", False, lambda device: {"precision": "32-true"}),
-    Config("lightning-16-mixed", "Lightning 16-mixed", "autocast", True, _lightning_mixed("16-mixed")),
-    Config(_REFERENCE, "Lightning bf16-mixed", "autocast", True, _lightning_mixed("bf16-mixed")),
-    Config("lightning-bf16-true", "Lightning bf16-true", "half", True, lambda device: {"precision": "bf16-true"}),
-    Config("ours-16-mixed", "ours 16-mixed", "autocast", True, _ours("16-mixed", False)),
-    Config("ours-bf16-mixed", "ours bf16-mixed", "autocast", True, _ours("bf16-mixed", False)),
-    Config(_MASTER_KEYS[0], "ours 16-mixed + master weights", "masters", True, _ours("16-mixed", True)),
-    Config(_MASTER_KEYS[1], "ours bf16-mixed + master weights", "masters", True, _ours("bf16-mixed", True)),
-)
+# The set-ups `amp-plus compare` offers, from the same table.
+CONFIGS = tuple(_config(setup) for setup in SETUPS.values())
 _BY_KEY = {config.key: config for config in CONFIGS}
 
 

@@ -13,6 +13,9 @@ init_scale / growth_interval / hysteresis (16-mixed), max_consecutive_skips, mon
 turns it into the Trainer's ``plugins`` (or ``precision="32-true"``) and adds the monitor to its callbacks: one group
 of flat options instead of a ``--trainer.plugins`` class path with a nested scaler. ``--trainer.*``, ``--model.*``
 (CifarCNN's arguments) and ``--data`` (any LightningDataModule class path, then ``--data.*``) are LightningCLI's own.
+The Trainer's own precision settings win when given: ``--trainer.precision 16-mixed`` (Lightning's built-in
+``MixedPrecision``) or a precision plugin in ``--trainer.plugins`` replaces ``--amp``'s plugin, with the monitor still
+attached; changing ``--amp.*`` plugin settings as well stops with a message saying which flag to use.
 Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
 """
 
@@ -37,16 +40,14 @@ class AmpLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         amp: AmpSettings = config["amp"]
-        trainer = config.get("trainer", {})
-        # Keep whatever --trainer.plugins / --trainer.callbacks already hold; add ours.
-        plugins = _as_list(trainer.get("plugins")) + amp.plugins()
-        kwargs.setdefault("plugins", plugins or None)
-        kwargs.setdefault("callbacks", _as_list(trainer.get("callbacks")) + amp.callbacks())
+        # Adds the monitor to --trainer.callbacks and the plugin to --trainer.plugins; an explicit
+        # --trainer.precision (or a precision plugin in --trainer.plugins) wins over --amp.* left at its defaults.
+        try:
+            for key, value in amp.trainer_arguments(config.get("trainer", {})).items():
+                kwargs.setdefault(key, value)
+        except ValueError as error:
+            self.parser.error(str(error))  # usage and message, exit code 2
         return super().instantiate_trainer(**kwargs)
-
-
-def _as_list(value: Any) -> list[Any]:
-    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:

@@ -12,7 +12,8 @@ synthetic module knows them at construction; ``IMDBDataModule`` gives its maximu
 never less than the vocabulary it builds, so the embedding always fits.
 
 ``--amp.*`` is ``lightning_amp_plus.cli.AmpSettings`` (see ``examples/cifar_cnn.py``, which has the same
-``AmpLightningCLI``). Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
+``AmpLightningCLI``; there too ``--trainer.precision`` or a precision plugin in ``--trainer.plugins`` wins over
+``--amp.*`` left at its defaults). Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
 """
 
 from __future__ import annotations
@@ -43,16 +44,14 @@ class AmpLightningCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> pl.Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         amp: AmpSettings = config["amp"]
-        trainer = config.get("trainer", {})
-        # Keep whatever --trainer.plugins / --trainer.callbacks already hold; add ours.
-        plugins = _as_list(trainer.get("plugins")) + amp.plugins()
-        kwargs.setdefault("plugins", plugins or None)
-        kwargs.setdefault("callbacks", _as_list(trainer.get("callbacks")) + amp.callbacks())
+        # Adds the monitor to --trainer.callbacks and the plugin to --trainer.plugins; an explicit
+        # --trainer.precision (or a precision plugin in --trainer.plugins) wins over --amp.* left at its defaults.
+        try:
+            for key, value in amp.trainer_arguments(config.get("trainer", {})).items():
+                kwargs.setdefault(key, value)
+        except ValueError as error:
+            self.parser.error(str(error))  # usage and message, exit code 2
         return super().instantiate_trainer(**kwargs)
-
-
-def _as_list(value: Any) -> list[Any]:
-    return [] if value is None else list(value) if isinstance(value, list) else [value]
 
 
 def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:

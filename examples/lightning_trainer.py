@@ -14,13 +14,31 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
-from lightning_amp_plus.demo import BlobClassifier, blobs
 
 
-class ScheduledClassifier(BlobClassifier):
+def blobs(n: int, features: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
+    """A learnable classification set: ``classes`` Gaussian clusters in ``features`` dimensions."""
+    centers = torch.randn(classes, features, generator=torch.Generator().manual_seed(seed)) * 0.5
+    labels = torch.arange(n) % classes
+    points = centers[labels] + torch.randn(n, features, generator=torch.Generator().manual_seed(seed + 1))
+    return TensorDataset(points, labels)
+
+
+class ScheduledClassifier(pl.LightningModule):
+    """A two-layer MLP for :func:`blobs`, SGD with a step schedule stepped every optimizer step."""
+
+    def __init__(self, features: int = 32, hidden: int = 128, classes: int = 4) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
         schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=50, gamma=0.5)

@@ -1,8 +1,42 @@
-"""lightning-amp-plus: fast, observable mixed-precision training for PyTorch Lightning."""
+"""lightning-amp-plus: fast, observable mixed-precision training for PyTorch Lightning.
 
-from lightning_amp_plus.monitor import MixedPrecisionMonitor
-from lightning_amp_plus.precision import MixedPrecisionPlugin
-from lightning_amp_plus.scaler import DynamicLossScaler
+The public names load on first use (PEP 562): ``import lightning_amp_plus`` alone imports neither torch nor Lightning,
+so the ``amp-plus`` command answers ``--help`` at once. ``from lightning_amp_plus import MixedPrecisionPlugin`` works
+as usual.
+
+Example:
+    >>> from lightning_amp_plus import DynamicLossScaler
+    >>> DynamicLossScaler().get_scale()
+    65536.0
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_amp_plus.monitor import MixedPrecisionMonitor
+    from lightning_amp_plus.precision import MixedPrecisionPlugin
+    from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
 __version__ = "0.1.0"
+
+_HOMES = {
+    "DynamicLossScaler": "lightning_amp_plus.scaler",
+    "MixedPrecisionMonitor": "lightning_amp_plus.monitor",
+    "MixedPrecisionPlugin": "lightning_amp_plus.precision",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(_HOMES[name]), name)
+        globals()[name] = value  # found once; later lookups do not come here
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])

@@ -1,4 +1,4 @@
-"""``python -m lightning_amp_plus``: the ``amp-plus`` command (``train``, ``compare``, ``doctor``, ``demo``)."""
+"""``python -m lightning_amp_plus``: the ``amp-plus`` command (``train``, ``compare``, ``doctor``)."""
 
 from lightning_amp_plus.cli import main
 

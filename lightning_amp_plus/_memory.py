@@ -1,4 +1,6 @@
-"""Memory readings for the monitor: CUDA allocator statistics, or the process's resident memory on CPU.
+"""Memory readings: CUDA allocator statistics, or the process's resident memory (now, and its peak) on CPU.
+
+Read by the monitor and by ``amp-plus compare``.
 
 None of these reads synchronises with a device: the CUDA numbers are the caching allocator's host-side counters.
 """
@@ -10,7 +12,7 @@ import sys
 
 import torch
 
-__all__ = ["cuda_memory_mb", "process_rss_mb", "reset_cuda_peak"]
+__all__ = ["cuda_memory_mb", "peak_rss_mb", "process_rss_mb", "reset_cuda_peak", "reset_peak_rss"]
 
 _MB = 1024.0 * 1024.0
 
@@ -45,3 +47,35 @@ def process_rss_mb() -> float:
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / _MB if sys.platform == "darwin" else peak / 1024.0  # bytes on macOS, KiB elsewhere
+
+
+def peak_rss_mb() -> float | None:
+    """The process's peak resident memory (Linux ``VmHWM``) since it started or since :func:`reset_peak_rss`, in MB.
+
+    ``None`` where ``/proc/self/status`` cannot be read.
+
+    Example:
+        >>> peak_rss_mb() >= process_rss_mb() * 0.99
+        True
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak-resident-memory window (Linux: write 5 to ``/proc/self/clear_refs``); ``False`` if it cannot.
+
+    Where it cannot, :func:`peak_rss_mb` keeps including what came before (imports, data).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True

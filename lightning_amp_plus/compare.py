@@ -7,6 +7,9 @@ optimizer steps, then validates once:
 * ``lightning-16-mixed``, ``lightning-bf16-mixed``: Lightning's built-in ``MixedPrecision`` (``torch.amp.GradScaler``).
 * ``ours-16-mixed``, ``ours-bf16-mixed``: :class:`~lightning_amp_plus.MixedPrecisionPlugin`.
 * ``ours-16-mixed-master``, ``ours-bf16-mixed-master``: the same with ``master_weights=True``.
+* ``lightning-bf16-true`` (only when named in ``--configs``): Lightning's ``precision="bf16-true"``, weights in bf16.
+
+The set-ups are the table in :mod:`lightning_amp_plus._configs`, which ``benchmarks/bench_master.py`` reads too.
 
 Measured per configuration: the median step time after warm-up (a callback times each training batch, from
 ``on_train_batch_start`` to ``on_train_batch_end``, synchronising CUDA at both ends: forward, backward and optimizer
@@ -23,10 +26,9 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
-import importlib.util
 import json
-import logging
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,21 +44,21 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import MixedPrecision
 from typing_extensions import override
 
-from lightning_amp_plus import _memory
-from lightning_amp_plus.cli import (
-    COMPARE_CONFIGS,
-    UsageError,
+from lightning_amp_plus import _memory, report
+from lightning_amp_plus._checks import RunFailed, UsageError, plural
+from lightning_amp_plus._configs import SETUPS, PrecisionSetup
+from lightning_amp_plus._runs import (
     build_datamodule,
     build_model,
+    interruptible,
+    lightning_output,
     load_datamodule,
-    model_hparams,
     resolve_accelerator,
     resolve_precision,
-    train_settings,
 )
+from lightning_amp_plus._settings import model_hparams, train_settings
 from lightning_amp_plus.precision import MixedPrecisionPlugin
 
 __all__ = [
@@ -71,62 +73,22 @@ __all__ = [
     "run_config",
     "run_config_isolated",
     "to_markdown",
-    "write_chart",
     "write_csv",
 ]
 
 
-@dataclass(frozen=True)
-class Config:
-    """One setup to compare.
+Config = PrecisionSetup
+"""One set-up to compare (the table in :mod:`lightning_amp_plus._configs`, shared with ``benchmarks/``)."""
+CONFIGS: dict[str, PrecisionSetup] = SETUPS
+"""Every set-up ``--configs`` accepts, by name.
 
-    Attributes:
-        name: as ``--configs`` spells it.
-        precision: ``"32-true"``, ``"16-mixed"`` or ``"bf16-mixed"``.
-        plugin: ``"none"`` (Lightning's ``32-true``), ``"lightning"`` (``MixedPrecision``) or ``"ours"``.
-        master_weights: ours with FP32 master weights.
-
-    Example:
-        >>> CONFIGS["ours-bf16-mixed-master"].master_weights
-        True
-    """
-
-    name: str
-    precision: Literal["32-true", "16-mixed", "bf16-mixed"]
-    plugin: Literal["none", "lightning", "ours"]
-    master_weights: bool = False
-
-    def trainer_kwargs(self, device: str) -> dict[str, Any]:
-        """What to pass to ``Trainer`` for this setup.
-
-        Example:
-            >>> type(CONFIGS["lightning-bf16-mixed"].trainer_kwargs("cpu")["plugins"][0]).__name__
-            'MixedPrecision'
-        """
-        if self.plugin == "none":
-            return {"precision": self.precision}
-        if self.precision == "32-true":
-            raise ValueError(f"Config {self.name!r}: a precision plugin needs a mixed precision, not '32-true'.")
-        if self.plugin == "lightning":
-            return {"plugins": [MixedPrecision(self.precision, device)]}
-        return {"plugins": [MixedPrecisionPlugin(self.precision, device, master_weights=self.master_weights)]}
-
-
-CONFIGS: dict[str, Config] = {
-    config.name: config
-    for config in (
-        Config("32-true", "32-true", "none"),
-        Config("lightning-16-mixed", "16-mixed", "lightning"),
-        Config("lightning-bf16-mixed", "bf16-mixed", "lightning"),
-        Config("ours-16-mixed", "16-mixed", "ours"),
-        Config("ours-bf16-mixed", "bf16-mixed", "ours"),
-        Config("ours-16-mixed-master", "16-mixed", "ours", master_weights=True),
-        Config("ours-bf16-mixed-master", "bf16-mixed", "ours", master_weights=True),
-    )
-}
-assert tuple(CONFIGS) == COMPARE_CONFIGS, "the CLI's choices and the configurations must agree"
+Example:
+    >>> CONFIGS["ours-bf16-mixed-master"].master_weights
+    True
+"""
 
 _MB = 1024.0 * 1024.0
+_INTERRUPTED = 130  # a worker's exit code after Ctrl-C (128 + SIGINT)
 _LOSS_WINDOW = 5  # the final train loss is the mean over this many last steps: one batch's loss is noisy
 
 
@@ -258,50 +220,24 @@ def _start_memory(device: str) -> float:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         return 0.0
-    _reset_peak_rss()
+    _memory.reset_peak_rss()
     return _memory.process_rss_mb()
 
 
 def _peak_memory(device: str, baseline: float) -> float | None:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / _MB
-    peak = _peak_rss_mb()
+    peak = _memory.peak_rss_mb()
     return None if peak is None else max(0.0, peak - baseline)
-
-
-def _reset_peak_rss() -> None:
-    # Linux: writing 5 to clear_refs resets the peak RSS (VmHWM), so the peak seen is this configuration's.
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        pass  # then the peak includes what came before (imports, data): the footer's method still holds roughly
-
-
-def _peak_rss_mb() -> float | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024.0
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 @contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence what every configuration would repeat: Lightning's device banner and two expected warnings."""
-    logger = logging.getLogger("lightning.pytorch")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*no `val_dataloader`.*")  # validation runs after fit
-            warnings.filterwarnings("ignore", message=r".*fp16 autocast is correct there but slow.*")  # in the footer
-            yield
-    finally:
-        logger.setLevel(level)
+    """Silence what every configuration would repeat: Lightning's info lines and two expected warnings."""
+    with lightning_output(info=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*no `val_dataloader`.*")  # validation runs after fit
+        warnings.filterwarnings("ignore", message=r".*fp16 autocast is correct there but slow.*")  # in the footer
+        yield
 
 
 def run_config(spec: RunSpec) -> ConfigResult:
@@ -323,24 +259,16 @@ def run_config(spec: RunSpec) -> ConfigResult:
     pl.seed_everything(spec.seed, verbose=False)  # the same initial weights for every configuration
     model = build_model(spec.task, datamodule, **spec.model)
     timer = StepTimer(spec.device)
-    trainer = pl.Trainer(
-        accelerator=spec.device,
-        devices=1,
-        max_steps=spec.steps,
-        max_epochs=-1,
-        callbacks=[timer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **config.trainer_kwargs(spec.device),
-    )
+    with _quiet():  # the Trainer's constructor prints Lightning's device banner
+        trainer = _trainer(spec, config, timer)
     start = time.perf_counter()
     with _quiet():
         # Training batches only: one validation at the end, outside the timed steps, measures the final weights.
-        trainer.fit(model, train_dataloaders=datamodule.train_dataloader())
-        metrics = trainer.validate(model, dataloaders=datamodule.val_dataloader(), verbose=False)[0]
+        interruptible(trainer, lambda: trainer.fit(model, train_dataloaders=datamodule.train_dataloader()))
+        validated = interruptible(
+            trainer, lambda: trainer.validate(model, dataloaders=datamodule.val_dataloader(), verbose=False)
+        )
+        metrics = validated[0]
     seconds = time.perf_counter() - start
     plugin = trainer.precision_plugin
     skipped = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else timer.scale_drops
@@ -357,6 +285,22 @@ def run_config(spec: RunSpec) -> ConfigResult:
     )
 
 
+def _trainer(spec: RunSpec, config: PrecisionSetup, timer: StepTimer) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator=spec.device,
+        devices=1,
+        max_steps=spec.steps,
+        max_epochs=-1,
+        callbacks=[timer],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **config.trainer_kwargs(spec.device),
+    )
+
+
 def run_config_isolated(spec: RunSpec) -> ConfigResult:
     """Run one configuration in a fresh Python process (``python -m lightning_amp_plus.compare``) and read its result.
 
@@ -367,10 +311,12 @@ def run_config_isolated(spec: RunSpec) -> ConfigResult:
         spec_path.write_text(json.dumps(asdict(spec)))
         command = [sys.executable, "-m", "lightning_amp_plus.compare", str(spec_path), str(result_path)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode in (_INTERRUPTED, -signal.SIGINT):
+            raise KeyboardInterrupt  # Ctrl-C reached the worker (as it does from a terminal)
         if done.returncode != 0 or not result_path.exists():
-            raise RuntimeError(
-                f"amp-plus compare: configuration {spec.config!r} failed in its worker process (exit code "
-                f"{done.returncode}). Its last output:\n{done.stderr[-3000:]}"
+            raise RunFailed(
+                f"configuration {spec.config!r} failed in its worker process (exit code {done.returncode}). Its last "
+                f"output:\n{done.stderr[-3000:]}"
             )
         return ConfigResult(**json.loads(result_path.read_text()))
 
@@ -439,34 +385,17 @@ def to_markdown(results: list[ConfigResult], footer: list[str]) -> str:
 
 
 def write_csv(results: list[ConfigResult], path: str | Path) -> None:
-    """The results as CSV, one row per configuration, raw numbers (empty cells for values not measured)."""
+    """The results as CSV, one row per configuration, raw numbers (empty cells for values not measured).
+
+    Missing folders are created.
+    """
     names = [f.name for f in fields(ConfigResult)]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=names)
         writer.writeheader()
         for result in results:
             writer.writerow({key: "" if value is None else value for key, value in asdict(result).items()})
-
-
-def write_chart(results: list[ConfigResult], path: str | Path, title: str) -> None:
-    """Two bar charts: step time relative to 32-true (or in ms without it), and peak memory."""
-    from matplotlib.figure import Figure  # checked for before any training: see `run`
-
-    names = [r.config for r in results]
-    relative = all(r.ratio is not None for r in results)
-    times = [(r.ratio if relative else r.step_ms) or 0.0 for r in results]
-    memory = [r.peak_memory_mb or 0.0 for r in results]
-    figure = Figure(figsize=(9, 6), layout="tight")
-    top, bottom = figure.subplots(2, 1, sharex=True)
-    top.bar(names, times, color="tab:blue")
-    top.set_ylabel("step time vs 32-true" if relative else "step time (ms)")
-    if relative:
-        top.axhline(1.0, color="black", linewidth=0.8)
-    bottom.bar(names, memory, color="tab:orange")
-    bottom.set_ylabel("peak memory (MB)")
-    bottom.tick_params(axis="x", labelrotation=30)
-    figure.suptitle(title)
-    figure.savefig(path, dpi=100)
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
@@ -479,10 +408,12 @@ def _specs(args: argparse.Namespace, device: str) -> list[RunSpec]:
     settings = train_settings(args)  # the same model and data sizes as `amp-plus train`
     default_steps, default_warmup = _spec_defaults(device)
     steps = args.steps or default_steps
-    warmup = default_warmup if args.warmup is None else args.warmup
+    # The default warm-up leaves at least one step to time, however few --steps asks for.
+    warmup = min(default_warmup, steps - 1) if args.warmup is None else args.warmup
     if warmup >= steps:
         raise UsageError(
-            f"--warmup {warmup} leaves none of --steps {steps} to time: use fewer warm-up steps or more steps."
+            f"--warmup {warmup} leaves none of {'--steps ' if args.steps else 'the default '}{steps} steps to time: "
+            "use fewer warm-up steps or more steps."
         )
     data = {
         "data": args.data,
@@ -499,18 +430,6 @@ def _specs(args: argparse.Namespace, device: str) -> list[RunSpec]:
     return [RunSpec(args.task, name, steps, warmup, args.seed, device, threads, data, model) for name in args.configs]
 
 
-def _check_outputs(args: argparse.Namespace) -> None:
-    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError(
-            f"--png {args.png} draws a bar chart with matplotlib, which is not installed: "
-            "`pip install 'lightning-amp-plus[report]'` (or `pip install matplotlib`), or drop --png."
-        )
-    for flag in ("csv", "markdown", "png"):
-        path = getattr(args, flag)
-        if path is not None and not Path(path).resolve().parent.is_dir():
-            raise UsageError(f"--{flag} {path}: the folder {Path(path).parent} does not exist; create it first.")
-
-
 def _check_configs(names: list[str], device: str) -> None:
     for precision in dict.fromkeys(CONFIGS[name].precision for name in names):
         try:
@@ -520,8 +439,12 @@ def _check_configs(names: list[str], device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> list[ConfigResult]:
-    """``amp-plus compare``: run each configuration, print one table, write the requested files."""
-    _check_outputs(args)
+    """``amp-plus compare``: run each configuration, print one table, write the requested files.
+
+    The flags are those :func:`lightning_amp_plus.cli.check_request` passed; what needs the machine (device,
+    precision support, data) is checked here before the first configuration runs. Ctrl-C keeps the configurations
+    that finished: their table is printed and the files written, then ``KeyboardInterrupt`` is raised again.
+    """
     device = resolve_accelerator(args.accelerator)
     _check_configs(args.configs, device)
     specs = _specs(args, device)
@@ -530,27 +453,42 @@ def run(args: argparse.Namespace) -> list[ConfigResult]:
         load_datamodule(args, train_settings(args))
     where = "one fresh process each" if isolated else "in this process"
     print(
-        f"amp-plus compare {args.task}: {len(specs)} configurations x {specs[0].steps} steps on {device} ({where}; "
-        f"the first {specs[0].warmup} steps are warm-up)",
+        f"amp-plus compare {args.task}: {plural(len(specs), 'configuration')} x {plural(specs[0].steps, 'step')} on "
+        f"{device} ({where}; the first {plural(specs[0].warmup, 'step')} warm-up)",
         flush=True,
     )
-    results = []
-    for number, spec in enumerate(specs, 1):
-        print(f"  [{number}/{len(specs)}] {spec.config}", flush=True)
-        results.append(run_config_isolated(spec) if isolated else run_config(spec))
-    base = next((r for r in results if r.config == "32-true"), None)
-    for result in results:
-        result.ratio = None if base is None else result.step_ms / base.step_ms
-    footer = _footer(specs[0], device, isolated, base is not None)
-    print()
-    print(format_table(results, footer))
-    _write_outputs(args, results, footer, f"amp-plus compare {args.task} on {device}, {specs[0].steps} steps")
+    results: list[ConfigResult] = []
+    try:
+        for number, spec in enumerate(specs, 1):
+            print(f"  [{number}/{len(specs)}] {spec.config}", flush=True)
+            results.append(run_config_isolated(spec) if isolated else run_config(spec))
+    except KeyboardInterrupt:
+        if results:
+            _report(args, results, specs[0], device, isolated)
+        raise KeyboardInterrupt(
+            f"after {len(results)} of {plural(len(specs), 'configuration')}"
+            + ("; the table above holds those that finished" if results else "")
+        ) from None
+    _report(args, results, specs[0], device, isolated)
     return results
 
 
+def _report(args: argparse.Namespace, results: list[ConfigResult], spec: RunSpec, device: str, isolated: bool) -> None:
+    base = next((r for r in results if r.config == "32-true"), None)
+    for result in results:
+        result.ratio = None if base is None else result.step_ms / base.step_ms
+    footer = _footer(spec, device, isolated, base is not None)
+    print()
+    print(format_table(results, footer))
+    title = f"amp-plus compare {args.task} on {device}, {plural(spec.steps, 'step')} per configuration"
+    _write_outputs(args, results, footer, title)
+
+
 def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool) -> list[str]:
+    first = spec.warmup + 1
+    timed = f"step {first}" if first == spec.steps else f"steps {first}-{spec.steps}"
     notes = [
-        f"step ms: median over steps {spec.warmup + 1}-{spec.steps} (the first {spec.warmup} are warm-up), timed from "
+        f"step ms: median over {timed} (the first {plural(spec.warmup, 'step')} warm-up), timed from "
         "on_train_batch_start to on_train_batch_end: forward, backward and optimizer step, no data loading"
         + (", CUDA synchronised at both ends" if device == "cuda" else "")
         + "; configurations run one after another, so other work on the machine skews the ratios",
@@ -573,10 +511,11 @@ def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer
         write_csv(results, args.csv)
         print(f"CSV written to {args.csv}")
     if args.markdown is not None:
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(to_markdown(results, footer))
         print(f"Markdown written to {args.markdown}")
     if args.png is not None:
-        write_chart(results, args.png, title)
+        report.write_comparison_chart(results, args.png, title)
         print(f"chart written to {args.png}")
 
 
@@ -584,7 +523,10 @@ def _worker(argv: list[str]) -> None:
     """``python -m lightning_amp_plus.compare SPEC.json RESULT.json``: run one configuration, write its result."""
     spec_path, result_path = argv
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
-    result = run_config(spec)
+    try:
+        result = run_config(spec)
+    except KeyboardInterrupt:
+        raise SystemExit(_INTERRUPTED) from None
     Path(result_path).write_text(json.dumps(asdict(result)))
 
 

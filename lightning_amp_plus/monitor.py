@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_amp_plus import _memory
 from lightning_amp_plus._grads import nonfinite_names
 from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
-from lightning_amp_plus.report import AmpHistory, StepRecord, require_matplotlib, summary, write_chart
+from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
 __all__ = ["MixedPrecisionMonitor"]
 
@@ -69,7 +69,8 @@ class MixedPrecisionMonitor(Callback):
         skip_warn_rate: warn when the skip rate over the window exceeds this fraction.
         log_memory: log memory every step.
         prog_bar: show the loss scale on the progress bar.
-        report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart).
+        report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart); a ``.png`` path in a
+            folder that can be written or created, checked at construction.
 
     Example:
         >>> from lightning import Trainer
@@ -101,15 +102,14 @@ class MixedPrecisionMonitor(Callback):
             or not 0 <= skip_warn_rate <= 1
         ):
             raise ValueError(f"`{name}(skip_warn_rate={skip_warn_rate!r})` must be a fraction in [0, 1], e.g. 0.05.")
-        if report_path is not None:
-            require_matplotlib()
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
         self.skip_window = skip_window
         self.skip_warn_rate = skip_warn_rate
         self.log_memory = log_memory
         self.prog_bar = prog_bar
-        self.report_path = None if report_path is None else Path(report_path)
+        # Checked now, before any training: a chart that cannot be written must not cost a whole run.
+        self.report_path = None if report_path is None else check_chart_path(report_path)
         self.history = AmpHistory()
         """Every step's record and the non-finite events: what the summary and the chart are made from."""
         self.debug_path: Path | None = None

@@ -7,11 +7,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus.cli import main
 
 # The plugin warns once per fit that fp16 autocast on CPU is slow; these tests use it on CPU on purpose.
 FP16_ON_CPU_WARNING = r"ignore:MixedPrecisionPlugin\('16-mixed'\) on CPU:UserWarning"
@@ -170,3 +173,14 @@ def unscaled_reference_grads(module: pl.LightningModule, batch: tuple[Tensor, Te
         loss = mse(twin, batch)
     loss.backward()
     return [p.grad.detach().clone() for p in twin.parameters() if p.grad is not None]
+
+
+# ------------------------------------------------------------------------------------------- the command line
+def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``amp-plus argv`` in this process, expect exit code 2, and return stderr (which must hold no traceback)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err: str = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err

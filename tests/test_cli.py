@@ -1,36 +1,58 @@
-"""`amp-plus`: the train and demo commands, the settings they build, and clear usage errors (exit code 2)."""
+"""`amp-plus`: the train command, the settings it builds, and requests refused with one paragraph (exit code 2)."""
 
 from __future__ import annotations
 
+import inspect
+import os
 import re
 import runpy
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import usage_error
 
-from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin, cli, doctor
-from lightning_amp_plus.cli import AmpSettings, build_parser, main, resolve_precision, train
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin, _settings, doctor
+from lightning_amp_plus._runs import resolve_precision
+from lightning_amp_plus._train import train
+from lightning_amp_plus.cli import AmpSettings, build_parser, main
 
 # 32 images in batches of 8: 4 steps an epoch, on a CNN of a few hundred parameters.
 TINY_CNN = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 TINY_LSTM = ["lstm", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--hidden-dim", "4",
              "--embed-dim", "4", "--max-len", "12", "--accelerator", "cpu"]  # fmt: skip
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_train(*argv: str) -> dict[str, object]:
-    return train(build_parser().parse_args(["train", *argv]))
+    args = build_parser().parse_args(["train", *argv])
+    args.progress_bar = args.model_summary = args.lightning_info = False
+    return train(args)
 
 
-def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run `amp-plus argv`, expect exit code 2, and return stderr (which must hold no traceback)."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
+def run_command(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m lightning_amp_plus argv` in a fresh process (for what needs one: several ranks, import costs)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_amp_plus", *argv], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+@pytest.fixture
+def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make starting a command's work fail the test: what is refused must be refused before it."""
+    from lightning_amp_plus import _train, compare
+
+    def started(*args: object) -> None:
+        raise AssertionError("the command started its work before refusing the request")
+
+    monkeypatch.setattr(_train, "train", started)
+    monkeypatch.setattr(compare, "run", started)
 
 
 # ------------------------------------------------------------------------------------------------------ train
@@ -39,6 +61,7 @@ def test_train_defaults_to_bf16_on_cpu_with_the_monitor_and_reports_validation_a
 ) -> None:
     assert main(["train", *TINY_CNN, "--epochs", "1"]) == 0
     out = capsys.readouterr().out
+    assert "amp-plus train cnn: bf16-mixed on cpu, synthetic data, 1 epoch of 4 steps" in out
     assert "MixedPrecisionMonitor: 4 optimizer steps, 0 skipped" in out
     assert "amp-plus train cnn: bf16-mixed on cpu, synthetic data, 4 steps (1.0 epochs)" in out
     assert re.search(r"val/acc 0\.\d{3} \(chance 0\.10\), val/loss \d+\.\d{3}; skipped steps 0", out)
@@ -57,15 +80,26 @@ def test_train_passes_the_loss_scaler_flags_to_the_plugin(capsys: pytest.Capture
                        "--max-steps", "2")  # fmt: skip
     assert result["precision"] == "16-mixed"
     # The monitor saw every step scaled by 2**8: the flag reached the plugin's scaler.
-    assert "loss scale 2**8 to 2**8, last 2**8" in capsys.readouterr().out
+    assert "loss scale 2**8 throughout" in capsys.readouterr().out
 
 
-def test_train_with_master_weights_writes_the_chart_and_checkpoints(tmp_path: Path) -> None:
-    report, ckpt = tmp_path / "amp.png", tmp_path / "ckpt"
+def test_one_step_is_worded_in_the_singular(capsys: pytest.CaptureFixture[str]) -> None:
+    run_train(*TINY_CNN, "--max-steps", "1", "--precision", "32-true")
+    out = capsys.readouterr().out
+    assert "MixedPrecisionMonitor: 1 optimizer step, 0 skipped" in out and ", 1 step (0.2 epochs)" in out
+    assert "1 steps" not in out
+
+
+def test_train_with_master_weights_writes_the_chart_exactly_where_asked_and_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report, ckpt = tmp_path / "charts" / "amp.png", tmp_path / "ckpt"
     result = run_train(*TINY_CNN, "--master-weights", "--max-steps", "2", "--report", str(report),
                        "--ckpt-dir", str(ckpt))  # fmt: skip
     assert result["master_weights"] is True and result["steps"] == 2
-    assert report.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert report.read_bytes()[:8] == PNG_SIGNATURE
+    assert f"chart written to {report}" in capsys.readouterr().out
+    assert [p.name for p in report.parent.iterdir()] == ["amp.png"]  # that file, no other name
     assert (ckpt / "last.ckpt").exists()
 
 
@@ -76,8 +110,46 @@ def test_train_seeds_everything_so_two_runs_agree() -> None:
     torch.testing.assert_close(first["val_loss"], second["val_loss"], rtol=0, atol=0)
 
 
+def test_a_stop_with_a_diagnosis_prints_the_summary_so_far_and_exits_1_without_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --lr 1000 sends the weights to inf at once; every fp16 step then overflows at the scaler's floor of 1, and the
+    # scaler stops after 2 of them in a row (its diagnosis is a FloatingPointError).
+    argv = ["train", *TINY_CNN, "--precision", "16-mixed", "--init-scale", "1", "--lr", "1000",
+            "--max-consecutive-skips", "2", "--max-steps", "20", "--report", str(tmp_path / "amp.png")]  # fmt: skip
+    with pytest.warns(RuntimeWarning):  # the monitor's floor warning, as the run goes
+        assert main(argv) == 1
+    out, err = capsys.readouterr()
+    assert "MixedPrecisionMonitor: " in out and "skipped" in out and "chart written to" in out
+    assert (tmp_path / "amp.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert err.startswith("amp-plus train: stopped: ") and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------ console output
+# Lightning's info lines are log records (pytest's log capture holds them); the progress bar writes to the streams.
+def test_in_a_non_terminal_train_prints_no_progress_bar_device_banner_tip_or_model_summary(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["train", *TINY_CNN, "--max-steps", "2"]) == 0
+    out, err = capfd.readouterr()
+    everything = out + err + caplog.text
+    for noise in ("GPU available", "TPU available", "litlogger", "Total Flops", "\r", "it/s]"):
+        assert noise not in everything, noise
+    assert "MixedPrecisionMonitor: 2 optimizer steps" in out
+
+
+def test_each_console_flag_brings_its_output_back_and_the_summary_measures_flops(
+    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    assert main(["train", *TINY_CNN, "--max-steps", "2", "--progress-bar", "--model-summary", "--lightning-info"]) == 0
+    assert "it/s]" in "".join(capfd.readouterr())
+    assert "GPU available" in caplog.text
+    flops = re.search(r"^(.+?) +Total Flops", caplog.text, re.MULTILINE)
+    assert flops is not None and flops.group(1).strip() != "0"  # measured on one sample, not the all-zero column
+
+
 # ------------------------------------------------------------------------------------------------ settings
-def test_amp_settings_build_the_plugin_and_monitor_they_describe() -> None:
+def test_amp_settings_build_the_plugin_and_monitor_they_describe(tmp_path: Path) -> None:
     fp16 = AmpSettings("16-mixed", init_scale=512.0, growth_interval=7, hysteresis=2, max_consecutive_skips=0)
     (plugin,) = fp16.plugins("cpu")
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.scaler is not None
@@ -87,19 +159,32 @@ def test_amp_settings_build_the_plugin_and_monitor_they_describe() -> None:
     (bf16,) = AmpSettings("bf16-mixed", master_weights=True).plugins()
     assert isinstance(bf16, MixedPrecisionPlugin) and bf16.master_weights and bf16.scaler is None
     assert AmpSettings("32-true").trainer_kwargs() == {"precision": "32-true"}
-    (monitor,) = AmpSettings(report_path="chart.png").callbacks()
-    assert isinstance(monitor, MixedPrecisionMonitor) and monitor.report_path == Path("chart.png")
+    chart = str(tmp_path / "chart.png")
+    (monitor,) = AmpSettings(report_path=chart).callbacks()
+    assert isinstance(monitor, MixedPrecisionMonitor) and monitor.report_path == Path(chart)
     assert AmpSettings(monitor=False).callbacks() == []
+
+
+def test_the_init_scale_range_the_parser_checks_is_the_scalers_default_range() -> None:
+    defaults = inspect.signature(DynamicLossScaler).parameters
+    scaler_range = (defaults["min_scale"].default, defaults["max_scale"].default)
+    assert scaler_range == (_settings.SCALER_MIN_SCALE, _settings.SCALER_MAX_SCALE)
 
 
 @pytest.mark.parametrize(
     ("settings", "fragment"),
     [
-        ({"precision": "32-true", "master_weights": True}, "master_weights=True needs precision '16-mixed'"),
-        ({"precision": "bf16-mixed", "hysteresis": 2}, "hysteresis configure the fp16 loss scaler"),
-        ({"precision": "32-true", "max_consecutive_skips": 3}, "'32-true' skips none"),
-        ({"precision": "16-mixed", "init_scale": -1.0}, "init_scale=-1.0 must be a float > 0"),
+        ({"precision": "32-true", "master_weights": True}, "master_weights=True needs precision='16-mixed' or"),
+        ({"precision": "bf16-mixed", "hysteresis": 2}, "hysteresis configures the fp16 loss scaler"),
+        ({"precision": "32-true", "max_consecutive_skips": 3}, "precision='32-true' skips none"),
+        (
+            {"precision": "16-mixed", "init_scale": 0.5},
+            "`AmpSettings(init_scale=0.5)` must be a number in [1, 16777216]:",
+        ),
+        ({"precision": "16-mixed", "init_scale": 1e40}, "`AmpSettings(init_scale=1e+40)` must be a number in"),
+        ({"precision": "16-mixed", "hysteresis": 0}, "`AmpSettings(hysteresis=0)` must be an int >= 1"),
         ({"precision": "fp8"}, "precision='fp8' is not one of"),
+        ({"report_path": "chart.txt"}, "report_path='chart.txt': the chart is written as .png"),
     ],
 )
 def test_amp_settings_refuse_impossible_combinations(settings: dict[str, object], fragment: str) -> None:
@@ -111,24 +196,76 @@ def test_amp_settings_refuse_impossible_combinations(settings: dict[str, object]
 @pytest.mark.parametrize(
     ("argv", "fragment"),
     [
-        (["train", "--master-weights", "--precision", "32-true"], "master_weights=True needs precision"),
-        (["train", "--init-scale", "1024", "--precision", "bf16-mixed"], "init_scale configure the fp16 loss scaler"),
-        (["train", "--max-consecutive-skips", "3", "--precision", "32-true"], "'32-true' skips none"),
+        (["train", "--master-weights", "--precision", "32-true"],
+         "--master-weights needs --precision 16-mixed or bf16-mixed, not --precision 32-true"),
+        (["train", "--init-scale", "1024", "--precision", "bf16-mixed"],
+         "--init-scale configures the fp16 loss scaler, which --precision bf16-mixed does not use"),
+        (["train", "--precision", "bf16-mixed", "--init-scale", "4", "--hysteresis", "2"],
+         "--init-scale and --hysteresis configure the fp16 loss scaler"),
+        (["train", "--max-consecutive-skips", "3", "--precision", "32-true"], "--precision 32-true skips none"),
+        (["train", "--precision", "16-mixed", "--init-scale", "0.5"], "argument --init-scale: 0.5 is outside [1, "
+         "16777216]: the loss scaler keeps its scale between its min_scale 1 and max_scale 2**24"),
+        (["train", "--precision", "16-mixed", "--init-scale", "1e40"], "argument --init-scale: 1e+40 is outside"),
+        (["train", "--seed", "99999999999"], "argument --seed: 99999999999 is too large: the largest is 4,294,967,295"),
+        (["train", "--lr", "1e308"], "argument --lr: 1e+308 is outside (0, 1000]"),
         (["train", "lstm", "--width", "8"], "--width configures the cnn model, not lstm"),
         (["train", "--data", "real", "--num-train", "100"], "--num-train sizes the synthetic data"),
         (["train", "--epochs", "0"], "argument --epochs: 0 must be >= 1"),
-        (["train", "--init-scale", "inf"], "argument --init-scale: inf must be a finite number > 0"),
+        (["train", "--init-scale", "inf"], "argument --init-scale: inf must be a finite number"),
         (["train", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
         (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--report", "/proc/x.png"], "--report /proc/x.png: no file can be created in /proc"),
+        (["train", "--report", "x.txt"], "--report x.txt: the chart is written as .png, so the path must end in .png, "
+         "e.g. x.png"),
+        (["train", "--report", "x"], "--report x: the chart is written as .png, so the path must end in .png, e.g. "
+         "x.png"),
+        (["train", "--ckpt-dir", "/proc/ckpt"], "--ckpt-dir /proc/ckpt: no file can be created in /proc"),
+        (["train", "--data", "real", "--data-dir", "/proc/data"], "--data-dir /proc/data: no file can be created"),
         (["compare", "--steps", "3", "--warmup", "5"], "--warmup 5 leaves none of --steps 3 to time"),
+        (["compare", "--png", "/proc/x.png"], "--png /proc/x.png: no file can be created in /proc"),
+        (["compare", "--png", "chart.svg"], "--png chart.svg: the chart is written as .png"),
+        (["compare", "--csv", "/proc/table.csv"], "--csv /proc/table.csv: no file can be created in /proc"),
+        (["compare", "--csv", "t.csv", "--markdown", "t.csv"], "--csv and --markdown name the same file"),
+        (["demo"], "invalid choice: 'demo' (choose from 'train', 'compare', 'doctor')"),
     ],
-)
-def test_bad_flags_and_impossible_combinations_exit_2_with_one_clear_message(
+)  # fmt: skip
+@pytest.mark.usefixtures("no_work")
+def test_impossible_requests_exit_2_with_one_message_naming_the_option_before_any_work(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     err = usage_error(argv, capsys)
     assert fragment in err
-    assert re.search(r"^amp-plus( train| compare)?: error: ", err, re.MULTILINE)  # argparse's usage line comes first
+    assert re.search(r"^amp-plus( train| compare)?: error: ", err, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    ("make", "argv", "fragment"),
+    [
+        ("file", ["train", "--ckpt-dir", "{path}"], "--ckpt-dir {path} is a file, not a folder"),
+        ("file", ["train", "--data", "real", "--data-dir", "{path}"], "--data-dir {path} is a file, not a folder"),
+        ("file", ["train", "--report", "{path}/amp.png"], "--report {path}/amp.png: {path} is a file, not a folder"),
+        ("folder", ["train", "--report", "{path}"], "--report {path} is a folder: give a file path in it, e.g. "),
+        ("folder", ["compare", "--markdown", "{path}"], "--markdown {path} is a folder"),
+    ],
+)
+@pytest.mark.usefixtures("no_work")
+def test_paths_that_are_the_wrong_kind_are_refused_before_any_work(
+    make: str, argv: list[str], fragment: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "existing"
+    if make == "file":
+        path.write_text("not a folder")
+    else:
+        path.mkdir()
+    err = usage_error([part.format(path=path) for part in argv], capsys)
+    assert fragment.format(path=path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["existing"]  # checking left nothing behind
+
+
+def test_scaler_flags_with_auto_precision_say_what_auto_chose_here(capsys: pytest.CaptureFixture[str]) -> None:
+    err = usage_error(["train", "--init-scale", "1024", "--accelerator", "cpu"], capsys)
+    assert "--init-scale configures the fp16 loss scaler, which --precision auto (bf16-mixed here) does not use" in err
+    assert "Use --precision 16-mixed, or drop --init-scale." in err
 
 
 @pytest.mark.parametrize(("task", "name"), [("cnn", "CIFAR-10"), ("lstm", "IMDB")])
@@ -149,8 +286,9 @@ def test_cuda_requested_without_cuda_is_a_usage_error(
     assert "Use --accelerator cpu" in err
 
 
-def _fake_pre_ampere_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fake_pre_ampere_gpu(monkeypatch: pytest.MonkeyPatch, count: int = 1) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (7, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: "Tesla V100-SXM2-16GB")
@@ -164,6 +302,14 @@ def test_bf16_on_a_gpu_without_bf16_is_a_usage_error_that_suggests_fp16(
     err = usage_error(["train", "--accelerator", "cuda", "--precision", "bf16-mixed"], capsys)
     assert "this GPU (Tesla V100-SXM2-16GB, compute capability 7.0) has no native bfloat16" in err
     assert "Use --precision 16-mixed" in err
+
+
+def test_more_gpus_than_there_are_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _fake_pre_ampere_gpu(monkeypatch, count=1)
+    err = usage_error(["train", "--accelerator", "cuda", "--devices", "3"], capsys)
+    assert "--devices 3 was requested, but PyTorch sees 1 CUDA device(s) here. Use --devices 1 or fewer." in err
 
 
 def test_auto_precision_picks_fp16_on_a_pre_ampere_gpu_and_bf16_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -181,22 +327,82 @@ def test_a_half_dtype_autocast_cannot_run_here_is_a_usage_error(
     assert "no fp16 kernels on this device" in err and "amp-plus doctor" in err
 
 
+@pytest.mark.parametrize("flag", ["--report", "--png"])
+@pytest.mark.usefixtures("no_work")
 def test_a_chart_without_matplotlib_is_a_usage_error(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    real_find_spec = cli.importlib.util.find_spec
-    monkeypatch.setattr(
-        cli.importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
-    )
-    err = usage_error(["train", "--report", "amp.png"], capsys)
-    assert "report_path='amp.png' draws the monitor's chart with matplotlib, which is not installed" in err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    err = usage_error(["train" if flag == "--report" else "compare", flag, "amp.png"], capsys)
+    assert f"{flag} draws a chart with matplotlib, which is not installed" in err
+    assert "pip install 'lightning-amp-plus[report]'" in err and f"or drop {flag}" in err
+
+
+# ---------------------------------------------------------------------------------------- processes, Ctrl-C
+def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
+    chart = tmp_path / "amp.png"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
+    argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
+            "--report", str(chart), "--progress-bar"]  # fmt: skip
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
+        assert process.stdout is not None
+        seen, deadline = b"", time.monotonic() + 120
+        while b"Epoch 0:" not in seen and time.monotonic() < deadline and process.poll() is None:
+            seen += os.read(process.stdout.fileno(), 4096)
+        assert b"Epoch 0:" in seen, seen
+        time.sleep(0.5)  # some steps (a few ms each)
+        process.send_signal(signal.SIGINT)
+        rest, err_bytes = process.communicate(timeout=60)
+    out, err = (seen + rest).decode(), err_bytes.decode()
+    assert process.returncode == 130, err
+    assert "Traceback" not in out + err
+    assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
+    assert f"chart written to {chart}" in out and chart.read_bytes()[:8] == PNG_SIGNATURE
+    assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
+
+
+def test_several_cpu_processes_print_the_result_once() -> None:
+    done = run_command("train", *TINY_CNN, "--devices", "2", "--max-steps", "2", "--threads", "1", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stdout.count("amp-plus train cnn: bf16-mixed on cpu x 2") == 1  # the line before fit
+    assert done.stdout.count("MixedPrecisionMonitor: ") == 1
+    assert done.stdout.count("val/acc ") == 1
 
 
 # ------------------------------------------------------------------------------------------- entry points
+def test_the_command_line_imports_neither_torch_nor_lightning_to_answer_help_or_refuse_a_flag() -> None:
+    code = (
+        "import sys\n"
+        "from lightning_amp_plus.cli import main\n"
+        "for argv in (['--help'], ['train', '--seed', '-1'], ['train', '--report', 'x.txt'], "
+        "['compare', '--steps', '2', '--warmup', '2']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('HEAVY', sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr
+
+
+def test_the_package_exposes_its_public_names_on_first_use() -> None:
+    import lightning_amp_plus
+
+    assert lightning_amp_plus.__all__ == ["DynamicLossScaler", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
+    assert set(lightning_amp_plus.__all__) <= set(dir(lightning_amp_plus))
+    assert lightning_amp_plus.MixedPrecisionPlugin is MixedPrecisionPlugin
+    with pytest.raises(AttributeError, match="has no attribute 'Missing'"):
+        _ = lightning_amp_plus.Missing
+
+
 def test_no_command_prints_the_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out
-    assert "usage: amp-plus" in out and all(command in out for command in ("train", "compare", "doctor", "demo"))
+    assert "usage: amp-plus" in out and all(command in out for command in ("train", "compare", "doctor"))
 
 
 def test_python_m_lightning_amp_plus_runs_amp_plus(
@@ -207,11 +413,3 @@ def test_python_m_lightning_amp_plus_runs_amp_plus(
         runpy.run_module("lightning_amp_plus", run_name="__main__")
     assert exit_info.value.code == 0
     assert "usage: amp-plus doctor" in capsys.readouterr().out
-
-
-def test_demo_subcommand_runs_the_original_demo(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--steps", "5", "--precision", "bf16-mixed"]) == 0
-    assert "lightning-amp-plus demo: bf16-mixed, 5 steps" in capsys.readouterr().out
-
-
-# ----------------------------------------------------------------------------------- found in another module

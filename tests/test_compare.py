@@ -3,36 +3,30 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import usage_error
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_amp_plus import cli, compare, doctor
-from lightning_amp_plus.cli import build_datamodule, build_model, main
+from lightning_amp_plus._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus._runs import build_datamodule, build_model
+from lightning_amp_plus.cli import main
 from lightning_amp_plus.compare import RunSpec, StepTimer, run_config_isolated
 
 TINY = ["--num-train", "24", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 CONFIGS = ["32-true", "lightning-bf16-mixed", "ours-bf16-mixed", "lightning-16-mixed", "ours-16-mixed"]
 
 
-def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
-
-
 def test_compare_prints_one_table_and_writes_csv_markdown_and_chart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    paths = {kind: tmp_path / f"table.{kind}" for kind in ("csv", "md", "png")}
+    paths = {kind: tmp_path / "out" / f"table.{kind}" for kind in ("csv", "md", "png")}  # folders created
     argv = ["compare", "cnn", *TINY, "--steps", "3", "--warmup", "1", "--in-process", "--configs", *CONFIGS,
             "--csv", str(paths["csv"]), "--markdown", str(paths["md"]), "--png", str(paths["png"])]  # fmt: skip
     assert main(argv) == 0
@@ -59,7 +53,7 @@ def test_compare_prints_one_table_and_writes_csv_markdown_and_chart(
     )
     assert [line.split(" | ")[0] for line in markdown[2:7]] == [f"| {name}" for name in CONFIGS]
     footer = "\n".join(markdown[7:])
-    assert "median over steps 2-3 (the first 1 are warm-up)" in footer and "lower bound" in footer
+    assert "median over steps 2-3 (the first 1 step warm-up)" in footer and "lower bound" in footer
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     out = capsys.readouterr().out
@@ -99,22 +93,6 @@ def test_step_timer_counts_each_grad_scaler_backoff_as_a_skipped_step() -> None:
     assert timer.scale_drops == 3 and len(timer.seconds) == 3 and len(timer.losses) == 3
 
 
-def test_compare_refuses_a_chart_without_matplotlib(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real_find_spec(name, *a)
-    )
-    err = usage_error(["compare", "--png", "chart.png"], capsys)
-    assert "--png chart.png draws a bar chart with matplotlib, which is not installed" in err
-
-
-def test_compare_refuses_an_output_in_a_missing_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    err = usage_error(["compare", "--csv", str(tmp_path / "missing" / "table.csv")], capsys)
-    assert "does not exist; create it first" in err
-
-
 def test_compare_refuses_a_precision_this_device_cannot_run_and_says_to_leave_it_out(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -122,3 +100,78 @@ def test_compare_refuses_a_precision_this_device_cannot_run_and_says_to_leave_it
     err = usage_error(["compare", "--accelerator", "cpu"], capsys)
     assert "torch.autocast cannot run torch.float16 on cpu here (no fp16 here)" in err
     assert "leave those configurations out with --configs" in err
+
+
+def test_few_steps_shorten_the_default_warm_up_instead_of_failing(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", *TINY, "--steps", "2", "--in-process", "--configs", "32-true"]
+    assert main(argv) == 0  # the CPU default warm-up is 3 steps: more than --steps 2 leaves to time
+    out = capsys.readouterr().out
+    assert "1 configuration x 2 steps on cpu (in this process; the first 1 step warm-up)" in out
+    assert "median over step 2 (the first 1 step warm-up)" in out
+
+
+def test_lightning_bf16_true_runs_on_request_beside_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", *TINY, "--steps", "2", "--in-process", "--configs", "lightning-bf16-true"]
+    (result,) = compare.run(cli.build_parser().parse_args(argv))
+    assert (result.config, result.steps, result.skipped_steps) == ("lightning-bf16-true", 2, 0)
+    assert "lightning-bf16-true" not in COMPARE_DEFAULT
+
+
+def test_ctrl_c_keeps_the_finished_configurations_prints_their_table_and_writes_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    batches = 0
+    original = StepTimer.on_train_batch_end
+
+    def ctrl_c_on_the_second_configuration(self: StepTimer, *args: object) -> None:
+        nonlocal batches
+        batches += 1
+        if batches == 3:  # the first batch of the second configuration (2 steps each)
+            raise KeyboardInterrupt  # what Ctrl-C raises in the training loop
+        original(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(StepTimer, "on_train_batch_end", ctrl_c_on_the_second_configuration)
+    table = tmp_path / "table.csv"
+    argv = ["compare", *TINY, "--steps", "2", "--in-process", "--configs", "32-true", "ours-bf16-mixed",
+            "--csv", str(table)]  # fmt: skip
+    assert main(argv) == 130
+    out, err = capsys.readouterr()
+    assert re.search(r"^32-true +[\d.,]+ +1\.00x", out, re.MULTILINE)
+    assert "ours-bf16-mixed  " not in out  # the unfinished one has no row
+    with open(table, newline="") as handle:
+        assert [row["config"] for row in csv.DictReader(handle)] == ["32-true"]
+    assert "amp-plus compare: interrupted (Ctrl-C) after 1 of 2 configurations" in err
+    assert "Traceback" not in out + err
+
+
+def test_a_worker_that_fails_ends_the_command_with_its_output_and_exit_code_1(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def crash(command: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(command, 1, "", "RuntimeError: out of memory")
+
+    monkeypatch.setattr(subprocess, "run", crash)
+    assert main(["compare", *TINY, "--steps", "2", "--configs", "32-true"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("amp-plus compare: stopped: configuration '32-true' failed in its worker process")
+    assert "(exit code 1)" in err
+    assert "RuntimeError: out of memory" in err
+
+
+def test_compare_and_the_master_weight_benchmark_read_one_table_of_set_ups() -> None:
+    import importlib.util
+    import sys
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    sys.path.insert(0, str(bench))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_master_under_test", bench / "bench_master.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(bench))
+    assert [config.key for config in module.CONFIGS] == list(SETUPS)
+    assert [config.label for config in module.CONFIGS] == [setup.label for setup in SETUPS.values()]
+    assert cli.build_parser().parse_args(["compare", "--configs", *SETUPS]).configs == list(SETUPS)

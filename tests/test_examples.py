@@ -135,3 +135,50 @@ def test_cnn_example_runs_32_true_without_a_plugin_but_with_the_monitor(tmp_path
     assert cli.trainer.precision == "32-true"
     assert not isinstance(cli.trainer.precision_plugin, MixedPrecisionPlugin)
     assert any(isinstance(callback, MixedPrecisionMonitor) for callback in cli.trainer.callbacks)
+
+
+@cli_args
+def test_the_trainers_own_precision_flag_wins_over_amp_left_at_its_defaults(tmp_path: Path) -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
+
+    cli = load("cifar_cnn").main(
+        [*TINY_TRAINER, f"--trainer.default_root_dir={tmp_path}", "--trainer.precision=bf16-mixed", "--model.width=2"],
+        run=False,
+    )
+    plugin = cli.trainer.precision_plugin
+    assert type(plugin) is MixedPrecision and cli.trainer.precision == "bf16-mixed"  # Lightning's built-in, as asked
+    assert not isinstance(plugin, MixedPrecisionPlugin)
+    assert any(isinstance(callback, MixedPrecisionMonitor) for callback in cli.trainer.callbacks)
+
+
+@cli_args
+def test_a_precision_plugin_in_trainer_plugins_is_the_one_used(tmp_path: Path) -> None:
+    from lightning_amp_plus import MixedPrecisionPlugin
+
+    cli = load("imdb_lstm").main(
+        [
+            f"--config={CONFIGS / 'lstm_synthetic.yaml'}",
+            *TINY_TRAINER,
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.plugins=lightning_amp_plus.MixedPrecisionPlugin",
+            "--trainer.plugins.precision=16-mixed",
+        ],
+        run=False,
+    )
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, MixedPrecisionPlugin) and cli.trainer.precision == "16-mixed"  # theirs, not --amp's bf16
+
+
+@cli_args
+def test_trainer_precision_and_changed_amp_settings_together_stop_with_the_flag_to_use(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    both = [f"--trainer.default_root_dir={tmp_path}", "--trainer.precision=16-mixed", "--amp.master_weights=true"]
+    with pytest.raises(SystemExit) as exit_info:
+        load("cifar_cnn").main([*TINY_TRAINER, *both], run=False)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--trainer.precision 16-mixed and --amp.* (master_weights=True) both set the precision. Use one" in err
+    assert "Traceback" not in err

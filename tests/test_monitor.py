@@ -663,3 +663,12 @@ def test_a_run_that_never_applies_a_step_warns_once_its_window_is_full_of_skips(
     _, caught = fit_catching_warnings(Faulty(overflow_steps=range(100)), plugin, monitor=monitor, steps=12)
     said = messages([w for w in caught if w.category is RuntimeWarning], "optimizer steps were skipped")
     assert len(said) == 1 and "10 of the last 10 optimizer steps were skipped" in said[0]
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [("/proc/amp.png", r"report_path='/proc/amp.png'"), ("amp.txt", r"report_path='amp.txt'.*\.png")],
+)
+def test_a_chart_path_that_cannot_be_written_is_refused_when_the_monitor_is_built(path: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MixedPrecisionMonitor(report_path=path)

@@ -1,0 +1,89 @@
+"""The precision set-ups compared side by side: one table for ``amp-plus compare`` and ``benchmarks/bench_master.py``.
+
+Plain data; torch and Lightning are imported only when a set-up's Trainer arguments are built, so the command line
+can list the names without importing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["COMPARE_DEFAULT", "SETUPS", "PrecisionSetup"]
+
+
+@dataclass(frozen=True)
+class PrecisionSetup:
+    """One precision set-up.
+
+    Attributes:
+        name: as ``--configs`` spells it.
+        precision: ``"32-true"``, ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"`` (Lightning's, weights in bf16).
+        plugin: ``"none"`` (Lightning's ``precision=``), ``"lightning"`` (its ``MixedPrecision``) or ``"ours"``
+            (:class:`~lightning_amp_plus.MixedPrecisionPlugin`).
+        master_weights: ours with FP32 master weights.
+        label: how tables and charts name it.
+
+    Example:
+        >>> SETUPS["ours-bf16-mixed-master"].master_weights, SETUPS["lightning-bf16-true"].label
+        (True, 'Lightning bf16-true')
+    """
+
+    name: str
+    precision: Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
+    plugin: Literal["none", "lightning", "ours"]
+    master_weights: bool = False
+    label: str = ""
+
+    def trainer_kwargs(self, device: str, scaler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        """What to pass to ``Trainer`` for this set-up; ``scaler_options`` (``init_scale``...) configure fp16's scaler.
+
+        The same options reach ``torch.amp.GradScaler`` (Lightning's) and ``DynamicLossScaler`` (ours): both take
+        ``init_scale``, ``growth_factor``, ``backoff_factor`` and ``growth_interval``.
+
+        Example:
+            >>> type(SETUPS["lightning-bf16-mixed"].trainer_kwargs("cpu")["plugins"][0]).__name__
+            'MixedPrecision'
+            >>> SETUPS["32-true"].trainer_kwargs("cpu")
+            {'precision': '32-true'}
+        """
+        if self.plugin == "none":
+            return {"precision": self.precision}
+        if self.precision not in ("16-mixed", "bf16-mixed"):
+            raise ValueError(
+                f"set-up {self.name!r}: a precision plugin needs a mixed precision, not {self.precision!r}."
+            )
+        options = scaler_options or {}
+        if self.plugin == "lightning":
+            import torch
+            from lightning.pytorch.plugins.precision import MixedPrecision
+
+            scaler = None
+            if self.precision == "16-mixed" and options:
+                scaler = torch.amp.GradScaler(device, **options)
+            return {"plugins": [MixedPrecision(self.precision, device, scaler=scaler)]}
+        from lightning_amp_plus.precision import MixedPrecisionPlugin
+        from lightning_amp_plus.scaler import DynamicLossScaler
+
+        ours = DynamicLossScaler(**options) if self.precision == "16-mixed" and options else None
+        plugin = MixedPrecisionPlugin(self.precision, device, ours, master_weights=self.master_weights)
+        return {"plugins": [plugin]}
+
+
+SETUPS: dict[str, PrecisionSetup] = {
+    setup.name: setup
+    for setup in (
+        PrecisionSetup("32-true", "32-true", "none", label="32-true"),
+        PrecisionSetup("lightning-16-mixed", "16-mixed", "lightning", label="Lightning 16-mixed"),
+        PrecisionSetup("lightning-bf16-mixed", "bf16-mixed", "lightning", label="Lightning bf16-mixed"),
+        PrecisionSetup("lightning-bf16-true", "bf16-true", "none", label="Lightning bf16-true"),
+        PrecisionSetup("ours-16-mixed", "16-mixed", "ours", label="ours 16-mixed"),
+        PrecisionSetup("ours-bf16-mixed", "bf16-mixed", "ours", label="ours bf16-mixed"),
+        PrecisionSetup("ours-16-mixed-master", "16-mixed", "ours", True, "ours 16-mixed + master weights"),
+        PrecisionSetup("ours-bf16-mixed-master", "bf16-mixed", "ours", True, "ours bf16-mixed + master weights"),
+    )
+}
+"""Every set-up, by name: fp32, Lightning's built-in modes, ours, ours with FP32 master weights."""
+
+COMPARE_DEFAULT = tuple(name for name in SETUPS if name != "lightning-bf16-true")
+"""What ``amp-plus compare`` runs without ``--configs``: the mixed precisions against fp32 (bf16-true on request)."""

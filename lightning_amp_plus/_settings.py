@@ -1,0 +1,358 @@
+"""What a run asks for: mixed-precision settings (:class:`AmpSettings`) and the shipped models' training defaults.
+
+Pure Python at import (torch and Lightning load only when a plugin or the monitor is built), so the command line
+checks a request before importing them. The rules are written once and spelled two ways: as Python arguments
+(``master_weights=True``) for ``AmpSettings``, as flags (``--master-weights``) for ``amp-plus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from lightning_amp_plus._args import check_int
+from lightning_amp_plus._checks import number
+
+if TYPE_CHECKING:
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.plugins.precision import Precision
+
+__all__ = [
+    "MODEL_FLAGS",
+    "PRECISIONS",
+    "SCALER_MAX_SCALE",
+    "SCALER_MIN_SCALE",
+    "TASKS",
+    "TRAIN_DEFAULTS",
+    "AmpSettings",
+    "amp_problem",
+    "cli_amp_problem",
+    "model_hparams",
+    "train_settings",
+]
+
+TASKS = ("cnn", "lstm")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+Task = Literal["cnn", "lstm"]
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed"]
+
+SCALER_MIN_SCALE = 1.0
+"""``DynamicLossScaler``'s default ``min_scale`` (a test keeps the two equal): the lowest ``init_scale``."""
+SCALER_MAX_SCALE = 2.0**24
+"""``DynamicLossScaler``'s default ``max_scale``: the highest ``init_scale``."""
+
+# The defaults of `amp-plus train` with no flags: sized so that an idle 2-core CPU finishes in about 30 s under bf16
+# autocast and the validation accuracy climbs well above chance (measured numbers in the README). Each flag
+# overrides its entry.
+TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cnn": {"epochs": 2, "batch_size": 64, "num_train": 2048, "num_val": 512, "width": 16, "lr": 0.05},
+    "lstm": {
+        "epochs": 2,
+        "batch_size": 64,
+        "num_train": 2048,
+        "num_val": 512,
+        "hidden_dim": 64,
+        "embed_dim": 32,
+        "max_len": 60,
+        "lr": 1e-2,
+    },
+}
+MODEL_FLAGS = {"cnn": ("width", "dropout"), "lstm": ("hidden_dim", "embed_dim", "dropout", "max_len")}
+"""Each task's model (and, for ``max_len``, data) flags; another task's flag is refused."""
+_SCALER_FIELDS = ("init_scale", "growth_interval", "hysteresis")
+
+
+class _Spelling:
+    """How a message names a setting: as an ``AmpSettings`` argument, or as an ``amp-plus`` flag."""
+
+    def __init__(self, flags: bool, auto: str | None = None) -> None:
+        self.flags = flags
+        self.auto = auto  # what --precision auto resolved to, when it did
+
+    def setting(self, name: str) -> str:
+        return "--" + name.replace("_", "-") if self.flags else name
+
+    def precision(self, value: str) -> str:
+        if not self.flags:
+            return f"precision={value!r}"
+        if self.auto is not None:
+            return f"--precision auto ({value} here)"
+        return f"--precision {value}"
+
+
+def amp_problem(
+    precision: str,
+    *,
+    master_weights: bool = False,
+    scaler_settings: tuple[str, ...] = (),
+    max_consecutive_skips: bool = False,
+    flags: bool = False,
+    auto: bool = False,
+) -> str | None:
+    """What is impossible in a mixed-precision request, or ``None``; worded for ``AmpSettings`` or (``flags``) the CLI.
+
+    Args:
+        precision: the precision asked for (resolved, when ``auto``).
+        master_weights: FP32 master weights were asked for.
+        scaler_settings: which of ``init_scale``, ``growth_interval``, ``hysteresis`` were given.
+        max_consecutive_skips: a skip limit was given.
+        flags: word it for the command line (``--master-weights``) instead of Python (``master_weights=True``).
+        auto: ``precision`` is what ``--precision auto`` chose on this machine.
+
+    Example:
+        >>> print(amp_problem("bf16-mixed", scaler_settings=("init_scale",), flags=True))
+        --init-scale configures the fp16 loss scaler, which --precision bf16-mixed does not use (bf16 has fp32's range and needs no loss scaling). Use --precision 16-mixed, or drop --init-scale.
+    """  # noqa: E501
+    spell = _Spelling(flags, precision if auto else None)
+    mixed = f"{_Spelling(flags).precision('16-mixed')} or {'bf16-mixed' if flags else repr('bf16-mixed')}"
+    if precision not in PRECISIONS:
+        return f"{spell.precision(precision)} is not one of {', '.join(PRECISIONS)}."
+    if master_weights and precision == "32-true":
+        flag = spell.setting("master_weights") + ("" if flags else "=True")
+        return (
+            f"{flag} needs {mixed}, not {spell.precision(precision)}: it holds the model in fp16/bf16 with FP32 "
+            f"master copies. Choose a mixed precision, or drop {spell.setting('master_weights')}."
+        )
+    if scaler_settings and precision != "16-mixed":
+        names = " and ".join(spell.setting(name) for name in scaler_settings)
+        verb, them = ("configures", "it") if len(scaler_settings) == 1 else ("configure", "them")
+        why = "bf16 has fp32's range and needs no loss scaling" if precision == "bf16-mixed" else "fp32 needs none"
+        return (
+            f"{names} {verb} the fp16 loss scaler, which {spell.precision(precision)} does not use ({why}). Use "
+            f"{_Spelling(flags).precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
+        )
+    if max_consecutive_skips and precision == "32-true":
+        return (
+            f"{spell.setting('max_consecutive_skips')} limits the steps skipped under mixed precision; "
+            f"{spell.precision(precision)} skips none. Choose a mixed precision, or drop "
+            f"{spell.setting('max_consecutive_skips')}."
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class AmpSettings:
+    """How a run uses mixed precision: ``MixedPrecisionPlugin``'s settings and ``MixedPrecisionMonitor``'s.
+
+    The command line's ``train`` builds one from its flags; the LightningCLI examples expose it as ``--amp.*``.
+    ``None`` leaves a setting at the plugin's or scaler's default. Impossible combinations and a chart path that
+    cannot be written are refused here, at construction, before any training.
+
+    Args:
+        precision: ``"32-true"`` (no plugin), ``"16-mixed"`` or ``"bf16-mixed"``.
+        master_weights: hold the model in fp16/bf16 with FP32 master copies in the optimizer (mixed precisions only).
+        init_scale: the loss scaler's initial scale, in ``[1, 2**24]`` (the scaler's ``min_scale`` and
+            ``max_scale``; ``16-mixed`` only).
+        growth_interval: clean steps before the scale grows (``16-mixed`` only).
+        hysteresis: overflows tolerated before the scale backs off (``16-mixed`` only).
+        max_consecutive_skips: skipped steps in a row (at the scale's floor, for fp16) that stop training with a
+            diagnosis; ``0`` never stops (mixed precisions only).
+        monitor: attach a ``MixedPrecisionMonitor``.
+        report_path: where the monitor writes its PNG chart at the end of ``fit`` (a ``.png`` path; needs
+            matplotlib).
+
+    Example:
+        >>> settings = AmpSettings("16-mixed", init_scale=1024.0)
+        >>> [type(p).__name__ for p in settings.plugins()], settings.plugins()[0].scaler.get_scale()
+        (['MixedPrecisionPlugin'], 1024.0)
+        >>> AmpSettings("32-true").plugins()
+        []
+    """
+
+    precision: PrecisionName = "bf16-mixed"
+    master_weights: bool = False
+    init_scale: float | None = None
+    growth_interval: int | None = None
+    hysteresis: int | None = None
+    max_consecutive_skips: int | None = None
+    monitor: bool = True
+    report_path: str | None = None
+
+    def __post_init__(self) -> None:
+        problem = amp_problem(
+            self.precision,
+            master_weights=self.master_weights,
+            scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(self, name) is not None),
+            max_consecutive_skips=self.max_consecutive_skips is not None,
+        )
+        if problem is not None:
+            raise ValueError(f"`AmpSettings`: {problem}")
+        if self.init_scale is not None:
+            value = self.init_scale
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not (SCALER_MIN_SCALE <= value <= SCALER_MAX_SCALE)
+            ):
+                raise ValueError(
+                    f"`AmpSettings(init_scale={value!r})` must be a number in [{number(SCALER_MIN_SCALE)}, "
+                    f"{number(SCALER_MAX_SCALE)}]: the loss scaler keeps its scale between its min_scale and "
+                    "max_scale (defaults 1 and 2**24)."
+                )
+        for name, minimum in (("growth_interval", 1), ("hysteresis", 1), ("max_consecutive_skips", 0)):
+            if getattr(self, name) is not None:
+                check_int("AmpSettings", name, getattr(self, name), minimum)
+        if self.report_path is not None:
+            from lightning_amp_plus.report import check_chart_path
+
+            check_chart_path(self.report_path, "report_path")
+
+    def plugins(self, device: str | None = None) -> list[Precision]:
+        """The Trainer's ``plugins``: ``[MixedPrecisionPlugin(...)]``, or ``[]`` for ``32-true``."""
+        if self.precision == "32-true":
+            return []
+        from lightning_amp_plus.precision import MixedPrecisionPlugin
+        from lightning_amp_plus.scaler import DynamicLossScaler
+
+        # 0 means "never stop" on the command line, where None cannot be typed.
+        limit = 50 if self.max_consecutive_skips is None else (self.max_consecutive_skips or None)
+        scaler = None
+        if self.precision == "16-mixed":
+            options = {name: getattr(self, name) for name in _SCALER_FIELDS if getattr(self, name) is not None}
+            scaler = DynamicLossScaler(**options, max_consecutive_skips=limit)
+        plugin = MixedPrecisionPlugin(
+            self.precision, device, scaler, max_consecutive_skips=limit, master_weights=self.master_weights
+        )
+        return [plugin]
+
+    def trainer_kwargs(self, device: str | None = None) -> dict[str, Any]:
+        """``precision="32-true"``, or the plugin: what to pass to ``Trainer`` (besides the callbacks).
+
+        Example:
+            >>> AmpSettings("32-true").trainer_kwargs()
+            {'precision': '32-true'}
+        """
+        if self.precision == "32-true":
+            return {"precision": "32-true"}
+        return {"plugins": self.plugins(device)}
+
+    def configures_the_plugin(self) -> bool:
+        """Whether any plugin setting differs from its default (the precision ``bf16-mixed``, everything else unset).
+
+        Example:
+            >>> AmpSettings().configures_the_plugin(), AmpSettings("16-mixed").configures_the_plugin()
+            (False, True)
+        """
+        return (
+            self.precision != "bf16-mixed"
+            or self.master_weights
+            or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, "max_consecutive_skips"))
+        )
+
+    def trainer_arguments(self, trainer: Any) -> dict[str, Any]:
+        """``plugins`` and ``callbacks`` for a Trainer whose own settings are ``trainer`` (LightningCLI's group).
+
+        The monitor joins the Trainer's callbacks. The plugin joins its plugins unless the Trainer's own precision
+        settings (``--trainer.precision``, a precision plugin in ``--trainer.plugins``) are given: those win, with
+        the monitor still attached. Both at once, with a plugin setting changed here too, is refused.
+
+        Raises:
+            ValueError: ``trainer`` sets the precision and so do these settings; the message says which flag to use.
+
+        Example:
+            >>> kwargs = AmpSettings().trainer_arguments({"precision": "16-mixed"})
+            >>> kwargs["plugins"], [type(c).__name__ for c in kwargs["callbacks"]]
+            (None, ['MixedPrecisionMonitor'])
+        """
+        from lightning.pytorch.plugins.precision import Precision
+
+        plugins = _as_list(trainer.get("plugins"))
+        callbacks = _as_list(trainer.get("callbacks")) + self.callbacks()
+        theirs = [p for p in plugins if isinstance(p, Precision | str)]
+        if trainer.get("precision") is None and not theirs:
+            return {"plugins": [*plugins, *self.plugins()] or None, "callbacks": callbacks}
+        if self.configures_the_plugin():
+            given = (
+                f"--trainer.precision {trainer.get('precision')}"
+                if trainer.get("precision") is not None
+                else f"--trainer.plugins {type(theirs[0]).__name__ if not isinstance(theirs[0], str) else theirs[0]}"
+            )
+            raise ValueError(
+                f"{given} and --amp.* ({self._changed()}) both set the precision. Use one: --amp.* for "
+                "MixedPrecisionPlugin (with --amp.precision 32-true for no plugin), or the Trainer's own flag with "
+                "--amp.* left at its defaults (the monitor is attached either way)."
+            )
+        return {"plugins": plugins or None, "callbacks": callbacks}
+
+    def _changed(self) -> str:
+        defaults = AmpSettings()
+        names = ("precision", "master_weights", *_SCALER_FIELDS, "max_consecutive_skips")
+        return ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
+        )
+
+    def callbacks(self) -> list[Callback]:
+        """``[MixedPrecisionMonitor(report_path=...)]``, or ``[]`` without the monitor."""
+        if not self.monitor:
+            return []
+        from lightning_amp_plus.monitor import MixedPrecisionMonitor
+
+        return [MixedPrecisionMonitor(report_path=self.report_path)]
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, list | tuple) else [value]
+
+
+def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False) -> str | None:
+    """:func:`amp_problem` for ``amp-plus train``'s flags, worded as flags.
+
+    Example:
+        >>> from lightning_amp_plus.cli import build_parser
+        >>> print(cli_amp_problem(build_parser().parse_args(["train", "--master-weights"]), "32-true", auto=True))
+        --master-weights needs --precision 16-mixed or bf16-mixed, not --precision auto (32-true here): it holds the model in fp16/bf16 with FP32 master copies. Choose a mixed precision, or drop --master-weights.
+    """  # noqa: E501
+    return amp_problem(
+        precision,
+        master_weights=args.master_weights,
+        scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(args, name) is not None),
+        max_consecutive_skips=args.max_consecutive_skips is not None,
+        flags=True,
+        auto=auto,
+    )
+
+
+def train_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The task's defaults (:data:`TRAIN_DEFAULTS`) with the given flags on top; another task's model flag is an error.
+
+    Raises:
+        ValueError: a flag of the other model, or a synthetic-data size with ``--data real``.
+
+    Example:
+        >>> from lightning_amp_plus.cli import build_parser
+        >>> train_settings(build_parser().parse_args(["train", "lstm", "--hidden-dim", "8"]))["hidden_dim"]
+        8
+    """
+    settings = dict(TRAIN_DEFAULTS[args.task])
+    other = next(t for t in TASKS if t != args.task)
+    for flag in MODEL_FLAGS[other]:
+        if flag not in MODEL_FLAGS[args.task] and getattr(args, flag, None) is not None:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} configures the {other} model, not {args.task}. The {args.task} model's "
+                f"flags are {', '.join('--' + f.replace('_', '-') for f in MODEL_FLAGS[args.task])}."
+            )
+    sized = [flag for flag in ("num_train", "num_val") if getattr(args, flag, None) is not None]
+    if sized and getattr(args, "data", "synthetic") == "real":
+        raise ValueError(
+            f"--{sized[0].replace('_', '-')} sizes the synthetic data; the real datasets come whole (CIFAR-10: 45,000 "
+            "training images after the validation split; IMDB: 22,500 reviews). Drop it, or use --data synthetic."
+        )
+    for key in ("epochs", "batch_size", "num_train", "num_val", "lr", *MODEL_FLAGS[args.task]):
+        value = getattr(args, key, None)
+        if value is not None:
+            settings[key] = value
+    if getattr(args, "max_steps", -1) != -1 and getattr(args, "epochs", None) is None:
+        settings["epochs"] = -1  # --max-steps alone: the steps decide, however many epochs they take
+    return settings
+
+
+def model_hparams(task: Task, settings: dict[str, Any]) -> dict[str, Any]:
+    """The model's keyword arguments among ``settings`` (the data's ``max_len`` is not one).
+
+    Example:
+        >>> model_hparams("cnn", {"lr": 0.1, "width": 8, "epochs": 2})
+        {'lr': 0.1, 'width': 8}
+    """
+    keys = ("lr", *(flag for flag in MODEL_FLAGS[task] if flag != "max_len"))
+    return {key: settings[key] for key in keys if key in settings}

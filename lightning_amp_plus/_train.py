@@ -1,0 +1,210 @@
+"""``amp-plus train``: fit a shipped model under ``MixedPrecisionPlugin`` with ``MixedPrecisionMonitor`` attached.
+
+The flags were checked by :mod:`lightning_amp_plus.cli` before this module (and with it torch and Lightning) was
+imported; what needs the machine (device, precision support, data) is checked here, still before any training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from lightning_amp_plus import report
+from lightning_amp_plus._checks import RunFailed, UsageError, plural
+from lightning_amp_plus._runs import (
+    build_model,
+    check_devices,
+    example_input,
+    interruptible,
+    lightning_output,
+    load_datamodule,
+    resolve_accelerator,
+    resolve_precision,
+)
+from lightning_amp_plus._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
+from lightning_amp_plus.monitor import MixedPrecisionMonitor
+from lightning_amp_plus.precision import MixedPrecisionPlugin
+
+__all__ = ["train"]
+
+_CHANCE = {"cnn": 0.1, "lstm": 0.5}
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Fit the model the flags describe; print the result (rank zero only) and return it.
+
+    Ctrl-C stops cleanly: the monitor's summary so far is printed, the chart written, and ``KeyboardInterrupt``
+    raised again (saying where it stopped) for the command to exit with code 130. A stop with a diagnosis
+    (``FloatingPointError``: steps that keep overflowing) reports the same way and raises ``RunFailed``.
+    """
+    settings = train_settings(args)
+    device = resolve_accelerator(args.accelerator)
+    check_devices(device, args.devices)
+    precision = resolve_precision(args.precision, device)
+    problem = cli_amp_problem(args, precision, auto=args.precision == "auto")
+    if problem is not None:
+        raise UsageError(problem)
+    amp = _amp_settings(args, precision)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    datamodule = load_datamodule(args, settings)
+    model = build_model(args.task, datamodule, **model_hparams(args.task, settings))
+    if args.model_summary:
+        model.example_input_array = example_input(args.task, datamodule)  # measured sizes and FLOPs, not zeros
+    batches = len(datamodule.train_dataloader())
+    # Under DDP on CPU every process runs this command; one speaks. (The Trainer knows its rank only inside fit.)
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(_start_line(args, settings, precision, device, amp, batches), flush=True)
+    monitors = amp.callbacks()
+    last_val = _LastValidation()
+    start = time.perf_counter()
+    with lightning_output(args.lightning_info):  # the Trainer's constructor prints too
+        trainer = _trainer(args, settings, device, amp, [*monitors, last_val])
+        try:
+            interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule))
+        except (KeyboardInterrupt, FloatingPointError) as stop:
+            raise _stopped(stop, trainer, monitors, amp, during="training") from None
+        if last_val.step != trainer.global_step:  # the numbers must describe the final weights
+            try:
+                interruptible(trainer, lambda: trainer.validate(model, datamodule=datamodule, verbose=False))
+            except KeyboardInterrupt as stop:
+                raise _stopped(stop, trainer, [], amp, during="the final validation") from None
+    seconds = time.perf_counter() - start
+    metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
+    plugin = trainer.precision_plugin
+    result = {
+        "task": args.task,
+        "data": args.data,
+        "precision": precision,
+        "master_weights": amp.master_weights,
+        "accelerator": device,
+        "devices": args.devices,
+        "steps": trainer.global_step,
+        "seconds": seconds,
+        "val_acc": metrics.get("val/acc"),
+        "val_loss": metrics.get("val/loss"),
+        "train_loss": metrics.get("train/loss_epoch", metrics.get("train/loss")),
+        "skipped_steps": plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0,
+    }
+    if trainer.is_global_zero:
+        _print_result(result, batches)
+    return result
+
+
+def _trainer(
+    args: argparse.Namespace, settings: dict[str, Any], device: str, amp: AmpSettings, callbacks: list[Callback]
+) -> pl.Trainer:
+    if args.ckpt_dir is not None:
+        callbacks = [*callbacks, ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)]
+    return pl.Trainer(
+        accelerator=device,
+        devices=args.devices,
+        max_epochs=settings["epochs"],
+        max_steps=args.max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=args.ckpt_dir is not None,
+        enable_progress_bar=args.progress_bar,
+        enable_model_summary=args.model_summary,
+        default_root_dir=args.ckpt_dir,
+        num_sanity_val_steps=0,
+        log_every_n_steps=10,
+        **amp.trainer_kwargs(device),
+    )
+
+
+def _stopped(
+    stop: BaseException, trainer: pl.Trainer, monitors: list[Callback], amp: AmpSettings, during: str
+) -> BaseException:
+    """Report what was measured before ``stop`` (on rank zero) and return the exception the command ends with."""
+    monitor = next((c for c in monitors if isinstance(c, MixedPrecisionMonitor)), None)
+    if monitor is not None and trainer.is_global_zero:  # the monitor itself reports only at the end of fit
+        print(report.summary(monitor.history))
+        if amp.report_path is not None:
+            report.write_chart(monitor.history, amp.report_path)
+            print(f"MixedPrecisionMonitor: chart written to {amp.report_path}")
+        sys.stdout.flush()
+    if isinstance(stop, FloatingPointError):  # the scaler's diagnosis: the run cannot make progress
+        flag = (
+            " (on this command line: --max-consecutive-skips N; 0 never stops)"
+            if "max_consecutive_skips" in str(stop)
+            else ""
+        )
+        return RunFailed(f"{stop}{flag}")
+    if during == "training":
+        return KeyboardInterrupt(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation")
+    return KeyboardInterrupt("during the final validation (training had finished; its summary is above)")
+
+
+def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSettings:
+    try:
+        return AmpSettings(
+            precision,
+            master_weights=args.master_weights,
+            init_scale=args.init_scale,
+            growth_interval=args.growth_interval,
+            hysteresis=args.hysteresis,
+            max_consecutive_skips=args.max_consecutive_skips,
+            report_path=args.report,
+        )
+    except (ValueError, ImportError) as error:  # the flags were checked as flags: this is a last line of defence
+        raise UsageError(str(error)) from None
+
+
+def _start_line(
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    precision: str,
+    device: str,
+    amp: AmpSettings,
+    batches: int,
+) -> str:
+    master = ", master weights" if amp.master_weights else ""
+    devices = f" x {args.devices}" if args.devices > 1 else ""
+    length = (
+        plural(args.max_steps, "step")
+        if settings["epochs"] == -1
+        else plural(settings["epochs"], "epoch")
+        + f" of {plural(batches, 'step')}"
+        + (f", at most {plural(args.max_steps, 'step')}" if args.max_steps != -1 else "")
+    )
+    return (
+        f"amp-plus train {args.task}: {precision}{master} on {device}{devices}, {args.data} data, {length} "
+        "(Ctrl-C stops cleanly with the summary so far)"
+    )
+
+
+def _print_result(result: dict[str, Any], batches_per_epoch: int) -> None:
+    steps = result["steps"]
+    per_step = 1000 * result["seconds"] / max(steps, 1)
+    master = ", master weights" if result["master_weights"] else ""
+    print(
+        f"\namp-plus train {result['task']}: {result['precision']}{master} on {result['accelerator']}, "
+        f"{result['data']} data, {plural(steps, 'step')} ({steps / max(batches_per_epoch, 1):.1f} epochs) in "
+        f"{result['seconds']:.1f} s ({per_step:.0f} ms/step, validation included)"
+    )
+    accuracy = result["val_acc"]
+    shown = "not measured" if accuracy is None else f"{accuracy:.3f} (chance {_CHANCE[result['task']]:.2f})"
+    loss = "" if result["val_loss"] is None else f", val/loss {result['val_loss']:.3f}"
+    print(f"val/acc {shown}{loss}; skipped steps {result['skipped_steps']}")
+
+
+class _LastValidation(Callback):
+    """Records the global step of the last validation run during ``fit`` (sanity checks excluded)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step

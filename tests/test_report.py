@@ -1,0 +1,187 @@
+"""The monitor's summary and chart, the comparison chart, and the check of a chart's path before any work."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_amp_plus.compare import ConfigResult
+from lightning_amp_plus.report import (
+    AmpHistory,
+    StepRecord,
+    _comparison_figure,
+    _run_figure,
+    check_chart_path,
+    summary,
+    write_chart,
+    write_comparison_chart,
+)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+ROUTINE = "overflowed gradients"  # the monitor's kind for a step the scaler skipped
+
+
+def fp16_run(skipped: set[int], steps: int = 20) -> AmpHistory:
+    """A loss scale halving on each skipped step, as dynamic loss scaling does, from 2**16."""
+    records, scale = [], 2.0**16
+    for step in range(steps):
+        records.append(StepRecord(step, scale, step in skipped, None if step in skipped else 1.0, None))
+        scale /= 2 if step in skipped else 1
+    return AmpHistory(records, [(step, ROUTINE, ["w"]) for step in sorted(skipped)])
+
+
+# ------------------------------------------------------------------------------------------------------ summary
+def test_overflows_are_listed_as_the_steps_they_were_not_as_a_range() -> None:
+    text = summary(fp16_run({0, 1, 2, 3, 8, 16}))
+    assert "20 optimizer steps, 6 skipped (30.0%) at steps 0-3, 8 and 16" in text
+    assert "overflows at steps 0 to 16" not in text
+
+
+def test_routine_fp16_backoffs_are_worded_as_what_they_are() -> None:
+    text = summary(fp16_run({0, 1, 2}))
+    assert "the skipped steps were fp16 overflows caught by the loss scaler, routine in dynamic loss scaling" in text
+    assert "non-finite event" not in text
+    assert text.endswith("no non-finite parameters found.")
+
+
+def test_a_run_that_ends_on_skipped_steps_is_not_called_routine() -> None:
+    text = summary(fp16_run({17, 18, 19}))
+    assert "the run ended on 3 skipped steps in a row" in text and "routine" not in text
+
+
+def test_one_scale_is_said_once_and_counts_take_their_number() -> None:
+    history = AmpHistory([StepRecord(0, 1024.0, False, 1.0, None)])
+    history.nonfinite_events.append((0, "parameters", ["w"]))
+    text = summary(history)
+    assert "1 optimizer step, 0 skipped" in text and "loss scale 2**10 throughout" in text
+    assert "1 non-finite event, the first at step 0 in parameters w" in text
+    assert "2**10 to 2**10" not in text and "1 steps" not in text and "1 non-finite events" not in text
+
+
+def test_a_bf16_skip_is_reported_as_non_finite_gradients_with_their_names() -> None:
+    history = AmpHistory([StepRecord(0, None, False, 1.0, None), StepRecord(1, None, True, None, None),
+                          StepRecord(2, None, False, 1.0, None)], [(1, ROUTINE, ["net.0.weight"])])  # fmt: skip
+    text = summary(history)
+    assert "skipped for non-finite gradients, the first at step 1 in net.0.weight" in text
+    assert "loss scale" not in text
+
+
+def test_several_optimizers_per_batch_count_every_optimizer_step() -> None:
+    records = [StepRecord(step, None, False, 1.0, None) for step in range(3) for _ in range(2)]
+    assert "6 optimizer steps in 3 batches, 0 skipped" in summary(AmpHistory(records))
+
+
+# --------------------------------------------------------------------------------------------------- run chart
+def panel_labels(history: AmpHistory) -> list[str]:
+    return [axis.get_ylabel() for axis in _run_figure(history).axes]
+
+
+def test_a_run_without_a_loss_scaler_draws_no_loss_scale_axis_and_says_why() -> None:
+    history = AmpHistory([StepRecord(s, None, False, 1.0 + s, 100.0) for s in range(5)], memory_kind="process memory")
+    figure = _run_figure(history)
+    assert [axis.get_ylabel() for axis in figure.axes] == ["gradient norm", "process memory (MB)"]
+    assert "no loss scaler (bf16 or fp32): no loss-scale panel" in figure.get_suptitle()
+    assert "no step skipped" in figure.get_suptitle()
+
+
+def test_a_gradient_norm_recorded_under_32_true_gets_its_panel() -> None:
+    history = AmpHistory([StepRecord(s, None, False, 2.0, None) for s in range(4)])
+    assert panel_labels(history) == ["gradient norm"]
+
+
+def test_the_memory_axis_starts_at_zero_so_a_flat_line_looks_flat() -> None:
+    # 0.1 MB of wiggle on 900 MB, sampled every 10 steps as the monitor does on logged steps.
+    history = AmpHistory([StepRecord(s, 2.0**16, False, 1.0, 900.0 + (s % 20) / 200 if s % 10 == 9 else None)
+                          for s in range(40)], memory_kind="process memory")  # fmt: skip
+    memory_axis = _run_figure(history).axes[-1]
+    low, high = memory_axis.get_ylim()
+    assert low == 0 and high > 900
+    assert any("sampled on logged steps (every 10 steps)" in text.get_text() for text in memory_axis.texts)
+    assert memory_axis.get_xlim()[0] < 0.5  # the axis spans the run from its first step, not from the first sample
+
+
+def test_skipped_steps_are_marked_in_every_panel_with_a_legend() -> None:
+    figure = _run_figure(fp16_run({2, 5}))
+    for axis in figure.axes:
+        marked = sorted(line.get_xdata()[0] for line in axis.get_lines() if line.get_color() == "tab:red"
+                        and len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1])  # fmt: skip
+        assert marked == [2, 5], axis.get_ylabel()
+    legend = figure.axes[0].get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["skipped step"]
+
+
+def test_several_optimizers_in_a_batch_make_one_point_with_their_global_norm() -> None:
+    records = [StepRecord(step, None, False, norm, None) for step in range(3) for norm in (3.0, 4.0)]
+    figure = _run_figure(AmpHistory(records))
+    (axis,) = figure.axes
+    assert axis.get_ylabel() == "gradient norm (all optimizers)"
+    (line,) = axis.get_lines()
+    assert list(line.get_xdata()) == [0, 1, 2]
+    # The global norm over both optimizers' gradients: sqrt(3**2 + 4**2), as one norm over all of them would be.
+    assert list(line.get_ydata()) == [math.hypot(3.0, 4.0)] * 3
+
+
+@pytest.mark.parametrize(
+    "history", [AmpHistory(), fp16_run({0, 1}), AmpHistory([StepRecord(0, None, True, None, None)])]
+)
+def test_every_history_draws_a_png_exactly_at_the_path_given(history: AmpHistory, tmp_path: Path) -> None:
+    path = tmp_path / "new folder" / "amp.png"
+    assert write_chart(history, path) == path
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    assert os.listdir(path.parent) == ["amp.png"]
+
+
+# ----------------------------------------------------------------------------------------------- compare chart
+def test_the_comparison_chart_labels_every_bar_and_shows_loss_and_accuracy(tmp_path: Path) -> None:
+    rows = [ConfigResult("32-true", 4, 10.0, 20.0, 0.70, 0.50, 0, 1.0, 1.0),
+            ConfigResult("ours-bf16-mixed", 4, 25.0, None, 0.71, 0.52, 0, 1.0, 2.5)]  # fmt: skip
+    figure = _comparison_figure(rows, "title")
+    titles = [axis.get_title() for axis in figure.axes]
+    assert titles == ["step time vs 32-true (lower is faster)", "peak memory, MB", "final train loss",
+                      "validation accuracy"]  # fmt: skip
+    labels = [[text.get_text() for text in axis.texts] for axis in figure.axes]
+    assert labels == [["1.00x", "2.50x"], ["20.0", "-"], ["0.700", "0.710"], ["0.500", "0.520"]]
+    path = write_comparison_chart(rows, tmp_path / "cmp.png", "title")
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+# ------------------------------------------------------------------------------------------------- chart path
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        ("amp.txt", "report_path='amp.txt': the chart is written as .png, so the path must end in .png, e.g. amp.png."),
+        ("amp", "report_path='amp': the chart is written as .png, so the path must end in .png, e.g. amp.png."),
+        ("/proc/amp.png", "report_path='/proc/amp.png': no file can be created in /proc"),
+        ("", "report_path='': the path is empty. Give a file path, e.g. output.png."),
+    ],
+)
+def test_a_chart_path_that_cannot_take_the_chart_is_refused_naming_the_argument_value_and_fix(
+    path: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_chart_path(path)
+
+
+def test_a_chart_path_check_names_the_flag_it_came_from_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    blocker = tmp_path / "a file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"--report {blocker}/amp.png: {blocker} is a file, not a folder")):
+        check_chart_path(blocker / "amp.png", "--report")
+    assert check_chart_path(tmp_path / "new" / "amp.png") == tmp_path / "new" / "amp.png"
+    assert os.listdir(tmp_path) == ["a file"]  # the folder is made when the chart is written, not when checked
+
+
+def test_a_chart_path_of_the_wrong_type_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match=re.escape("report_path=3 must be a str or a path, not int.")):
+        check_chart_path(3)  # type: ignore[arg-type]
+
+
+def test_a_chart_path_without_matplotlib_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    with pytest.raises(ImportError, match=re.escape("pip install 'lightning-amp-plus[report]'")):
+        check_chart_path("amp.png")
