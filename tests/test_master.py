@@ -252,22 +252,8 @@ def test_a_half_copies_dtype_must_be_a_half_type() -> None:
 
 
 # --------------------------------------------------------------------------------------- numerics vs references
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_master_weights_follow_lightnings_mixed_run_bit_for_bit(precision: str, optimizer: str) -> None:
-    """Autocast casts FP32 weights to the half dtype in every forward: exactly our half copy. The half gradient is
-    widened (Lightning: by the cast's backward; ours: when the weight gets its FP32 data back) and stepped in FP32,
-    so a run with master weights must equal Lightning's *-mixed run exactly, overflow skips and LR schedule included."""
-    torch.manual_seed(0)
-    # Lightning's bf16 plugin does not skip a non-finite step (its weights would turn NaN): inject into fp16 only.
-    overflow_steps = {5} if precision == "16-mixed" else set()
-    reference = TinyRegressor(overflow_steps=overflow_steps, optimizer=optimizer, scheduler="step", weight_decay=0.01)
-    model = copy.deepcopy(reference)
-    fit(reference, lightnings(precision))
-    plugin = ours(precision, hold_schedulers_on_skip=False)  # Lightning's plugin decays the LR on skipped steps too
-    fit(model, plugin)
-    torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
-    assert plugin.skipped_steps == len(overflow_steps)
+# Bit-for-bit agreement with Lightning's *-mixed runs (optimizers, accumulation, clipping, an overflow, a schedule):
+# tests/test_matrix.py.
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
