@@ -15,7 +15,7 @@ import struct
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -80,8 +80,10 @@ class Reference:
       next growth.
     * The scale is a float32: bounds and initial scale are rounded to float32, products are taken in float64 and rounded
       once to float32.
-    * An overflow skips the optimizer step. ``max_consecutive_skips`` skips in a row *with the scale at min_scale*
-      raise ``FloatingPointError`` (in ``step``, before ``update``).
+    * An overflow skips the optimizer step. A skip that backing off could not help (the coming update does not lower
+      the scale: it is at min_scale, the hysteresis tolerates the overflow, or the backoff rounds to no change) counts
+      towards ``max_consecutive_skips``; that many such skips within one run of skips raise ``FloatingPointError`` (in
+      ``step``, before ``update``). A clean step ends the run.
     """
 
     hyper: Hyper
@@ -92,7 +94,7 @@ class Reference:
     overflows_since_growth: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-    skips_at_floor: int = 0
+    stuck_skips: int = 0
     last_step_skipped: bool = False
 
     def __post_init__(self) -> None:
@@ -120,14 +122,16 @@ class Reference:
         """The optimizer step's bookkeeping; return whether the skip limit is reached (``FloatingPointError``)."""
         self.last_step_skipped = overflow
         if not overflow:
-            self.consecutive_skips = self.skips_at_floor = 0
+            self.consecutive_skips = self.stuck_skips = 0
             return False
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        if self.scale == self.min_scale:
-            self.skips_at_floor += 1
+        backs_off = self.overflows_since_growth + 1 >= self.hyper.hysteresis
+        lowers = backs_off and max(to_f32(self.scale * self.hyper.backoff_factor), self.min_scale) < self.scale
+        if not lowers:
+            self.stuck_skips += 1
         limit = self.hyper.max_consecutive_skips
-        return limit is not None and self.skips_at_floor >= limit
+        return limit is not None and self.stuck_skips >= limit
 
 
 class Seen(NamedTuple):
@@ -492,7 +496,7 @@ def test_with_hysteresis_1_and_loose_bounds_the_scale_is_grad_scalers(
     coefs=coefficients,
 )
 @examples(60)
-def test_the_skip_limit_raises_exactly_at_max_consecutive_skips_at_the_floor(
+def test_the_skip_limit_raises_exactly_where_the_reference_does_and_within_the_documented_bound(
     hyper: Hyper, prefix: list[Poison], coefs: list[float]
 ) -> None:
     # A random start, then overflows until the reference reaches the limit: within 2**12 of the floor, backing off by
@@ -507,4 +511,35 @@ def test_the_skip_limit_raises_exactly_at_max_consecutive_skips_at_the_floor(
     seen, _ = run(scaler, Toy([1.0] * NUMEL, coefs), plan)
     # Not before (every earlier step ran through update), and at exactly the step the reference raises at.
     assert seen == expected
-    assert seen[-1].raised and scaler.get_scale() == to_f32(hyper.min_scale)
+    assert seen[-1].raised
+    assert scaler.max_skips_in_a_row is not None and seen[-1].consecutive_skips <= scaler.max_skips_in_a_row
+
+
+@given(
+    hyper=hyperparameters(
+        scales=(2.0**-60, 2.0**60),
+        below=2.0**16,
+        above=2.0**4,
+        backoff=(0.1, 0.9),
+        limit=st.integers(1, 6),
+    ),
+    huge_hysteresis=st.booleans(),
+    no_backoff=st.booleans(),
+)
+@examples(60)
+def test_a_run_whose_every_step_overflows_stops_within_max_skips_in_a_row(
+    hyper: Hyper, huge_hysteresis: bool, no_backoff: bool
+) -> None:
+    # Whatever the policy: a hysteresis that never runs out, a backoff of 1 that never lowers the scale, a scale far
+    # above its floor. The bound is read off the settings before the run.
+    hyper = replace(
+        hyper,
+        hysteresis=10**9 if huge_hysteresis else hyper.hysteresis,
+        backoff_factor=1.0 if no_backoff else hyper.backoff_factor,
+    )
+    scaler = hyper.scaler()
+    bound = scaler.max_skips_in_a_row
+    assert bound is not None
+    seen, _ = run(scaler, Toy([1.0] * NUMEL, [1.0] * NUMEL), [(INF, 0)] * (bound + 1))
+    assert seen[-1].raised and len(seen) <= bound
+    assert all(step.skipped for step in seen[:-1])
