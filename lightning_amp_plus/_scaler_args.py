@@ -22,9 +22,18 @@ TRACKER_MAX = 2**53
 
 
 def show(value: object) -> str:
-    """``repr(value)``, shortened when it is very long (a huge int)."""
+    """``repr(value)``, with a huge int written as ``~1.000e+400`` (its exact digits would fill the message).
+
+    Example:
+        >>> show(10**400), show(2.5)
+        ('~1.000e+400 (an int of 401 digits)', '2.5')
+    """
+    if is_int(value) and abs(int(value)) >= 10**20:  # type: ignore[call-overload]
+        digits = str(abs(int(value)))  # type: ignore[call-overload]
+        sign = "-" if int(value) < 0 else ""  # type: ignore[call-overload]
+        return f"~{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1} (an int of {len(digits)} digits)"
     text = repr(value)
-    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+    return text if len(text) <= 80 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def require(condition: bool, argument: str, value: object, rule: str, owner: str = "DynamicLossScaler") -> None:

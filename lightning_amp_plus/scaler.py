@@ -12,7 +12,7 @@ import math
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
@@ -53,7 +53,6 @@ _PENDING_MAX = 256
 # Devices where the policy can run on the device (it needs float64).
 _DEVICE_POLICY_TYPES = ("cpu", "cuda")
 
-_Outputs = TypeVar("_Outputs", Tensor, list[Tensor], tuple[Tensor, ...])
 _TAKES_GRAD_SCALER: dict[type, bool] = {}
 
 
@@ -169,6 +168,7 @@ class DynamicLossScaler:
         # The device copy of the scale, which `scale()` multiplies by. On the unscale path it is written only when the
         # host policy changes the scale; on the fused path the device policy advances it.
         self._scale = torch.full((), self._policy.scale, dtype=torch.float32)
+        self._placed = False
         self._device_policy: DevicePolicy | None = None
         self._device_policy_current = False
         self._constants: dict[torch.device, tuple[Tensor, Tensor]] = {}
@@ -340,8 +340,22 @@ class DynamicLossScaler:
         self._names = {id(param): name for name, param in pairs}
 
     # ---------------------------------------------------------------------------------------------------- the step
-    def scale(self, outputs: _Outputs) -> _Outputs:
-        """Multiply a loss (or a list/tuple of losses) by the current scale, on the loss's device.
+    @overload
+    def scale(self, outputs: Tensor) -> Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[Tensor]) -> list[Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: Iterable[Tensor]) -> Iterable[Tensor]: ...
+
+    def scale(self, outputs: Tensor | Iterable[Tensor]) -> Tensor | Iterable[Tensor]:
+        """Multiply a loss (or nested lists/tuples, or any iterable, of losses) by the current scale.
+
+        The scale lives on the device of the first loss scaled; a loss on another device is multiplied by a copy.
 
         Example:
             >>> DynamicLossScaler(init_scale=4.0).scale(torch.tensor(1.5))
@@ -352,12 +366,15 @@ class DynamicLossScaler:
         if isinstance(outputs, Tensor):
             if self._unit_scale:
                 return outputs
-            self._ensure_device(outputs.device)
-            return outputs * self._scale
+            self._place(outputs.device)
+            scale = self._scale if self._scale.device == outputs.device else self._scale.to(outputs.device)
+            return outputs * scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(item) for item in outputs)
+        if isinstance(outputs, Iterable):
+            return map(self.scale, outputs)  # as GradScaler: a lazy map for other iterables
         raise TypeError(
-            f"`DynamicLossScaler.scale(outputs)` takes a tensor or a list/tuple of tensors, got {outputs!r}."
+            f"`DynamicLossScaler.scale(outputs)` takes a tensor or an iterable of tensors, got {outputs!r}."
         )
 
     def unscale_(self, optimizer: Optimizer) -> None:
@@ -381,7 +398,7 @@ class DynamicLossScaler:
         record.params = _params_with_grads(optimizer)
         grads = [p.grad for p in record.params if p.grad is not None]
         if grads:
-            self._ensure_device(grads[0].device)
+            self._place(grads[0].device)
         record.scale = self._policy.scale
         # 1 / scale rounded once to float32, as GradScaler computes it.
         inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
@@ -640,7 +657,7 @@ class DynamicLossScaler:
             state[key] = {}
         for key in ("_scale", "_device_policy", "_ring"):
             state[key] = None
-        state["_device_policy_current"] = False
+        state["_device_policy_current"] = state["_placed"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -662,7 +679,7 @@ class DynamicLossScaler:
 
     def _step_fused(self, optimizer: Optimizer, record: StepRecord, kwargs: dict[str, Any]) -> Any:
         grads = [p.grad for p in record.params if p.grad is not None]
-        self._ensure_device(grads[0].device)
+        self._place(grads[0].device)
         zero, one = self._flag_constants(self._scale.device)
         with torch.no_grad():
             norms = measure(grads, self._scale.device)
@@ -837,9 +854,12 @@ class DynamicLossScaler:
     def _record(self, optimizer: Optimizer) -> StepRecord:
         return self._records.setdefault(id(optimizer), StepRecord())
 
-    def _ensure_device(self, device: torch.device) -> None:
-        if self._scale.device != device:
-            self._scale = self._scale.to(device)
+    def _place(self, device: torch.device) -> None:
+        """Move the scale to the first device it is used on; later uses elsewhere take copies."""
+        if not self._placed:
+            self._placed = True
+            if self._scale.device != device:
+                self._scale = self._scale.to(device)
 
     def _set_scale(self, value: float) -> None:
         self._policy.scale = f32(value)
