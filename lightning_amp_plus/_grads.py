@@ -37,9 +37,12 @@ _NORM_DTYPE = torch.float32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Below this many elements a tensor is cheaper to treat in one foreach call with its peers than on its own.
 _INTERLEAVE_MIN_NUMEL = 1 << 16
-# Large contiguous CPU tensors are unscaled and measured in pieces of this many elements (1 MiB of float32): a piece
-# the multiply has just written is still in L2 when the norm reads it. Measured in benchmarks/bench_grads.py.
+# Contiguous CPU tensors above _WHOLE_MAX_NUMEL elements (2 MiB of float32, a core's L2 on current x86 server parts)
+# are unscaled and measured in pieces of _PIECE elements (1 MiB): a piece the multiply has just written is still in
+# L2 when the norm reads it. Smaller ones are done whole: cutting them only adds calls. Half-precision tensors always
+# go piece by piece through a reused float32 buffer. Measured in benchmarks/bench_grads.py.
 _PIECE = 1 << 18
+_WHOLE_MAX_NUMEL = 1 << 19
 
 
 def _values(grad: Tensor) -> Tensor:
@@ -79,35 +82,39 @@ def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None) -> list
 
 
 def _pieces_squared_norm(grad: Tensor, inv_scale: float | None, buffer: Tensor | None) -> Tensor:
-    """Unscale a large contiguous CPU tensor piece by piece, measuring each piece while it is in cache."""
-    flat = grad.view(-1)
-    pieces = torch.split(flat, _PIECE)
-    squared = torch.empty(len(pieces), dtype=_NORM_DTYPE)
-    for index, piece in enumerate(pieces):
+    """Unscale a contiguous CPU tensor piece by piece, measuring each piece while it is in cache.
+
+    Half-precision pieces are widened into ``buffer``, a float32 buffer reused for every piece: no allocation (a
+    fresh float32 copy of a large tensor costs page faults as well as the copy).
+    """
+    parts = []
+    for piece in torch.split(grad.view(-1), _PIECE):
         if inv_scale is not None:
             piece.mul_(inv_scale)
-        if buffer is not None:  # a half type: widen the piece into a float32 buffer that stays in cache
+        if buffer is not None:
             widened = buffer[: piece.numel()]
             widened.copy_(piece)
-            torch.dot(widened, widened, out=squared[index])
+            parts.append(torch.dot(widened, widened))
         else:
-            _squared_norm(piece, out=squared[index])
-    return squared.sum()
+            parts.append(_squared_norm(piece))
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _cpu_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
-    # Large tensors: multiply, then measure at once, while the memory is still in cache. Small ones: two foreach calls
-    # for all of them, because there the cost per call, not memory, is what counts.
+    # Large tensors: multiply, then measure at once, while the memory is still in cache (in pieces when the tensor
+    # is larger than a core's L2). Small ones: two foreach calls for all of them, because there the cost per call,
+    # not memory, is what counts.
     large = [i for i, grad in enumerate(group) if grad.numel() >= _INTERLEAVE_MIN_NUMEL]
     small = [i for i, grad in enumerate(group) if grad.numel() < _INTERLEAVE_MIN_NUMEL]
     squared: list[Tensor] = [torch.empty(0)] * len(group)
     half = group[0].dtype not in (torch.float32, torch.float64)
-    buffer = torch.empty(_PIECE, dtype=_NORM_DTYPE) if half and large else None
+    biggest = max((group[i].numel() for i in large), default=0)
+    buffer = torch.empty(min(_PIECE, biggest), dtype=_NORM_DTYPE) if half and large else None
     for i in large:
         grad = group[i]
-        if grad.is_contiguous():
+        if grad.is_contiguous() and (half or grad.numel() > _WHOLE_MAX_NUMEL):
             squared[i] = _pieces_squared_norm(grad, inv_scale, buffer)
-        else:  # e.g. channels_last: no flat view to cut into pieces
+        else:  # fits in L2 whole (or has no flat view to cut, e.g. channels_last)
             if inv_scale is not None:
                 grad.mul_(inv_scale)
             squared[i] = _squared_norm(grad)
