@@ -403,3 +403,44 @@ def test_state_dict_mid_run_resolves_and_a_restored_scaler_continues_identically
             s.update()
     assert restored.state_dict() == scaler.state_dict()
     assert_same_parameters(model, twin)
+
+
+# ------------------------------------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize(("opt_cls", "kwargs"), [p for p in FUSED if p.id != "SGD-momentum"])
+def test_on_cuda_the_fused_path_matches_grad_scaler_bit_for_bit_without_a_single_sync(
+    opt_cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+) -> None:
+    def run(scaler: Any, strict: bool) -> tuple[nn.Module, torch.optim.Optimizer, list[Any]]:
+        model = make_model().cuda()
+        opt = opt_cls(model.parameters(), lr=1e-2, fused=True, **kwargs)
+        outcomes = []
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            x, y = (t.cuda() for t in batch(step))
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            scaler.scale(loss).backward()
+            poison(model, step, OVERFLOWS)
+            if strict:
+                torch.cuda.set_sync_debug_mode("error")  # any synchronising call raises
+            try:
+                scaler.step(opt)
+                scaler.update()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            if isinstance(scaler, DynamicLossScaler):
+                outcomes.append(scaler.outcome(opt))
+        return model, opt, outcomes
+
+    # max_consecutive_skips=None: no read is due within these steps, so none may happen.
+    ours = DynamicLossScaler("cuda", init_scale=2.0**10, growth_interval=5, max_consecutive_skips=None)
+    our_model, our_opt, outcomes = run(ours, strict=True)
+    grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=5)
+    their_model, their_opt, _ = run(grad_scaler, strict=False)
+    torch.cuda.synchronize()
+    assert all(outcome.ready and not outcome.resolved for outcome in outcomes)
+    assert ours.get_scale() == grad_scaler.get_scale()
+    assert [outcome.skipped for outcome in outcomes] == [step in OVERFLOWS for step in range(STEPS)]
+    assert_same_parameters(our_model, their_model)
+    assert_same_state(our_opt, their_opt)
