@@ -61,17 +61,16 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else _NORM_DTYPE
 
 
-def _squared_norm(tensor: Tensor, out: Tensor | None = None) -> Tensor:
-    """``sum(tensor ** 2)`` as a 0-d float32 tensor (written into ``out`` when given)."""
-    flat = tensor.reshape(-1)
+def _squared_norm(tensor: Tensor) -> Tensor:
+    """``sum(tensor ** 2)`` as a 0-d float32 tensor."""
+    flat = tensor if tensor.dim() == 1 else tensor.reshape(-1)  # no extra call for the common 1-D case
     if flat.dtype not in (torch.float32, torch.float64):
         # A float32 copy then a dot product is faster on CPU than vector_norm(dtype=float32) over half types.
         flat = flat.to(_NORM_DTYPE)
     if flat.dtype == torch.float64:
-        result = torch.dot(flat, flat).to(_NORM_DTYPE)
-        return result if out is None else out.copy_(result)
+        return torch.dot(flat, flat).to(_NORM_DTYPE)
     # A dot product is the fastest full read of float32 memory on CPU (BLAS), faster than vector_norm.
-    return torch.dot(flat, flat) if out is None else torch.dot(flat, flat, out=out)
+    return torch.dot(flat, flat)
 
 
 def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Tensor]:
@@ -159,13 +158,13 @@ def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float | None, out_d
     for index, grad in enumerate(grads):
         if grad.is_sparse:
             squared = _sparse_squared_norm(grad, inv_scale).reshape(1)
-            pieces.append(([index], squared.to(out_device, non_blocking=True)))
+            pieces.append(([index], _to(squared, out_device)))
         else:
             groups[(grad.device, grad.dtype)].append(index)
     for (device, _dtype), indices in groups.items():
         group = [grads[i] for i in indices]
         measured = _cpu_squared_norms if device.type == "cpu" else _foreach_squared_norms
-        pieces.append((indices, torch.stack(measured(group, inv_scale)).to(out_device, non_blocking=True)))
+        pieces.append((indices, _to(torch.stack(measured(group, inv_scale)), out_device)))
     return _in_order(pieces, len(grads), out_device)
 
 
@@ -191,8 +190,12 @@ def measure(grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
     pieces: list[tuple[list[int], Tensor]] = []
     for (_device, dtype), indices in groups.items():
         norms = torch._foreach_norm([grads[i] for i in indices], 2, dtype=_accumulation_dtype(dtype))
-        pieces.append((indices, torch.stack(norms).to(device=out_device, dtype=_NORM_DTYPE, non_blocking=True)))
+        pieces.append((indices, _to(torch.stack(norms).to(_NORM_DTYPE), out_device)))
     return _in_order(pieces, len(grads), out_device)
+
+
+def _to(tensor: Tensor, device: torch.device) -> Tensor:
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 def _in_order(pieces: list[tuple[list[int], Tensor]], count: int, device: torch.device) -> Tensor:

@@ -405,7 +405,9 @@ class DynamicLossScaler:
         with torch.no_grad():
             squared = unscale_and_measure_(grads, inv_scale, self._scale.device)
             total = squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
-            norm = float(total.sqrt().item())  # the step's one host sync: the skip decision
+            # The step's one host sync: the skip decision. The square root of a float32 taken in float64 and rounded
+            # once is the float32 square root (correctly rounded either way), without another tensor op.
+            norm = f32(math.sqrt(total.item()))
         record.checked = True
         record.grad_norm = norm
         record.overflow = not math.isfinite(norm)
