@@ -40,7 +40,8 @@ _INTERLEAVE_MIN_NUMEL = 1 << 16
 # Contiguous CPU tensors above _WHOLE_MAX_NUMEL elements (2 MiB of float32, a core's L2 on current x86 server parts)
 # are unscaled and measured in pieces of _PIECE elements (1 MiB): a piece the multiply has just written is still in
 # L2 when the norm reads it. Smaller ones are done whole: cutting them only adds calls. Half-precision tensors always
-# go piece by piece through a reused float32 buffer. Measured in benchmarks/bench_grads.py.
+# go piece by piece through a reused float32 buffer. Both sizes are per intra-op thread: each thread works on its share
+# of a piece, in its own core's cache. Measured in benchmarks/bench_grads.py.
 _PIECE = 1 << 18
 _WHOLE_MAX_NUMEL = 1 << 19
 
@@ -80,14 +81,14 @@ def _foreach_squared_norms(group: list[Tensor], inv_scale: float | None) -> list
     return [norm.square().to(_NORM_DTYPE) for norm in norms]
 
 
-def _pieces_squared_norm(grad: Tensor, inv_scale: float | None, buffer: Tensor | None) -> Tensor:
+def _pieces_squared_norm(grad: Tensor, inv_scale: float | None, buffer: Tensor | None, piece_numel: int) -> Tensor:
     """Unscale a contiguous CPU tensor piece by piece, measuring each piece while it is in cache.
 
     Half-precision pieces are widened into ``buffer``, a float32 buffer reused for every piece: no allocation (a
     fresh float32 copy of a large tensor costs page faults as well as the copy).
     """
     parts = []
-    for piece in torch.split(grad.view(-1), _PIECE):
+    for piece in torch.split(grad.view(-1), piece_numel):
         if inv_scale is not None:
             piece.mul_(inv_scale)
         if buffer is not None:
@@ -107,12 +108,14 @@ def _cpu_squared_norms(group: list[Tensor], inv_scale: float | None) -> list[Ten
     small = [i for i, grad in enumerate(group) if grad.numel() < _INTERLEAVE_MIN_NUMEL]
     squared: list[Tensor] = [torch.empty(0)] * len(group)
     half = group[0].dtype not in (torch.float32, torch.float64)
+    threads = max(1, torch.get_num_threads())
+    piece_numel, whole_max = _PIECE * threads, _WHOLE_MAX_NUMEL * threads
     biggest = max((group[i].numel() for i in large), default=0)
-    buffer = torch.empty(min(_PIECE, biggest), dtype=_NORM_DTYPE) if half and large else None
+    buffer = torch.empty(min(piece_numel, biggest), dtype=_NORM_DTYPE) if half and large else None
     for i in large:
         grad = group[i]
-        if grad.is_contiguous() and (half or grad.numel() > _WHOLE_MAX_NUMEL):
-            squared[i] = _pieces_squared_norm(grad, inv_scale, buffer)
+        if grad.is_contiguous() and (half or grad.numel() > whole_max):
+            squared[i] = _pieces_squared_norm(grad, inv_scale, buffer, piece_numel)
         else:  # fits in L2 whole (or has no flat view to cut, e.g. channels_last)
             if inv_scale is not None:
                 grad.mul_(inv_scale)
