@@ -151,3 +151,11 @@ def test_clip_does_not_touch_gradients_under_the_limit() -> None:
     before = [t.data_ptr() for t in g]
     assert clip_by_norm_(g, 1.0, 2.0) == 1.0
     assert [t.data_ptr() for t in g] == before
+
+
+def test_measure_keeps_the_order_of_interleaved_dtypes_and_sizes() -> None:
+    big = 1 << 17  # above the size measured with a dot product on CPU
+    g = [torch.full((big,), 1.0), torch.full((3,), 2.0, dtype=torch.float16), torch.full((4,), 3.0),
+         torch.full((big,), 0.5, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.bfloat16)]  # fmt: skip
+    expected = torch.stack([torch.linalg.vector_norm(t.double()) for t in g]).float()
+    torch.testing.assert_close(measure(g, CPU), expected, rtol=1e-6, atol=0)
