@@ -456,6 +456,26 @@ class DynamicLossScaler:
             self._resolve()
         return bool(record.overflow)
 
+    def uses_fused_path(self, optimizer: Optimizer) -> bool:
+        """Whether :meth:`step` would now take the fused path for ``optimizer``: no host sync, the optimizer unscales.
+
+        That is, with its gradients as they are and no :meth:`unscale_` yet this iteration, the optimizer would unscale
+        and skip inside its own kernel. On the fused path the gradients stay scaled in memory until that kernel: code
+        that must see them unscaled (a hook, clipping) calls :meth:`unscale_` first, which makes the step take the
+        unscale path.
+
+        Example:
+            >>> w = nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
+            >>> scaler = DynamicLossScaler()
+            >>> fused, foreach = torch.optim.AdamW([w], fused=True), torch.optim.AdamW([w])
+            >>> scaler.uses_fused_path(fused), scaler.uses_fused_path(foreach)
+            (True, False)
+        """
+        record = self._records.get(id(optimizer))
+        if not self._enabled or (record is not None and (record.checked or record.stepped)):
+            return False
+        return self._takes_fused_path(optimizer, _params_with_grads(optimizer))
+
     def outcome(self, optimizer: Optimizer) -> StepOutcome | None:
         """The :class:`StepOutcome` of ``optimizer``'s latest :meth:`step` (``None`` before its first).
 
@@ -477,6 +497,7 @@ class DynamicLossScaler:
             FloatingPointError: the skip limit was reached (on the fused path also from :meth:`update`).
         """
         if not self._enabled:
+            self._outcomes[id(optimizer)] = StepOutcome(StepRecord(overflow=False, scale=1.0), self._resolve)
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs or args:
             raise ValueError(

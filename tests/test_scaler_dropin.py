@@ -299,3 +299,14 @@ def test_fp16_sparse_duplicates_that_overflow_once_summed_are_caught() -> None:
     scaler = DynamicLossScaler(init_scale=1.0)
     scaler.unscale_(opt)
     assert scaler.found_inf(opt)
+
+
+def test_when_disabled_every_step_has_an_applied_outcome() -> None:
+    scaler = DynamicLossScaler(enabled=False)
+    w = nn.Parameter(torch.ones(1))
+    opt = torch.optim.SGD([w], lr=0.1, fused=True)
+    (w * INF).sum().backward()
+    scaler.step(opt)
+    outcome = scaler.outcome(opt)
+    assert outcome is not None and outcome.resolved and not outcome.skipped and outcome.scale == 1.0
+    assert not scaler.uses_fused_path(opt)

@@ -444,3 +444,30 @@ def test_on_cuda_the_fused_path_matches_grad_scaler_bit_for_bit_without_a_single
     assert [outcome.skipped for outcome in outcomes] == [step in OVERFLOWS for step in range(STEPS)]
     assert_same_parameters(our_model, their_model)
     assert_same_state(our_opt, their_opt)
+
+
+@pytest.mark.parametrize(
+    ("make_opt", "before_unscale", "expected"),
+    [
+        (lambda ps: torch.optim.AdamW(ps, fused=True), True, True),
+        (lambda ps: torch.optim.AdamW(ps, fused=True), False, False),  # after unscale_: the unscale path
+        (lambda ps: torch.optim.AdamW(ps), True, False),  # foreach: no fused protocol
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True), True, False),  # no momentum buffers yet
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True), True, True),
+    ],
+    ids=["fused", "fused-after-unscale", "foreach", "fused-sgd-first-step", "fused-sgd-no-momentum"],
+)
+def test_uses_fused_path_says_which_path_step_will_take(
+    make_opt: Callable[[Any], torch.optim.Optimizer], before_unscale: bool, expected: bool
+) -> None:
+    model = make_model()
+    opt = make_opt(model.parameters())
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    scaler.scale(loss_at(model, 0)).backward()
+    if not before_unscale:
+        scaler.unscale_(opt)
+    assert scaler.uses_fused_path(opt) is expected
+    scaler.step(opt)
+    outcome = scaler.outcome(opt)
+    assert outcome is not None and outcome.resolved is not expected  # the fused path resolves lazily
+    assert not scaler.uses_fused_path(opt)  # stepped: nothing more this iteration
