@@ -367,7 +367,11 @@ class DynamicLossScaler:
             if self._unit_scale:
                 return outputs
             self._place(outputs.device)
-            scale = self._scale if self._scale.device == outputs.device else self._scale.to(outputs.device)
+            scale = (
+                self._scale
+                if self._scale.device == outputs.device
+                else self._scale.to(outputs.device, non_blocking=True)
+            )
             return outputs * scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(item) for item in outputs)
@@ -521,6 +525,9 @@ class DynamicLossScaler:
         self._outcomes[id(optimizer)] = StepOutcome(record, self._resolve)
         diagnosis = self._settle(record)
         if diagnosis is not None:
+            # The iteration ends here: an update() after a caught error does not advance the policy for it (as on the
+            # fused path, which learns of the limit in update()).
+            del self._records[id(optimizer)]
             raise FloatingPointError(diagnosis)
         if record.overflow:
             return None
@@ -556,9 +563,9 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return
-        self._raise_stop()
         records = [record for record in self._records.values() if record.checked or record.stepped]
         self._records = {}
+        self._raise_stop()  # a limit a lazy read found since step(): this iteration's update does not happen
         if new_scale is not None:
             value = _new_scale_value(new_scale)
             self._resolve()
