@@ -392,10 +392,10 @@ class DynamicLossScaler:
         if not self._enabled:
             return
         record = self._record(optimizer)
-        if record.checked:
-            return
         if record.stepped:
             raise RuntimeError("`DynamicLossScaler.unscale_()` was called after `step()`: call `update()` first.")
+        if record.checked:
+            return
         # The host policy must be current for the inverse scale: read any fused-path flags first (only when the two
         # paths mix, e.g. clipping on some steps only).
         self._resolve()

@@ -537,3 +537,73 @@ def test_an_optimizer_of_the_old_protocol(make: MakeScaler) -> None:
         assert opt.seen["grad_scaler"] is None and opt.seen["grad_scale"] is None
         torch.testing.assert_close(opt.seen["grad"], torch.ones(1, 4), rtol=0, atol=0)
         scaler.update()
+
+
+# ------------------------------------------------------------------------ the deliberate differences, as documented
+def one_param_step(scaler: Scaler, grad: float = 1.0) -> nn.Parameter:
+    w = nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([w], lr=1.0)
+    scaler.scale(torch.zeros(()))
+    w.grad = torch.full((2,), grad)
+    scaler.step(opt)
+    scaler.update()
+    return w
+
+
+def test_factors_of_exactly_one_are_accepted_where_grad_scaler_asserts() -> None:
+    for kwargs in ({"growth_factor": 1.0}, {"backoff_factor": 1.0}):
+        with pytest.raises(AssertionError):
+            grad_scaler(**kwargs)
+        assert ours(**kwargs).get_scale() == 2.0**16
+
+
+def test_grad_scaler_for_cuda_without_cuda_disables_itself_ours_keeps_scaling() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    with pytest.warns(UserWarning, match="CUDA is not available"):
+        assert not torch.amp.GradScaler("cuda").is_enabled()
+    assert DynamicLossScaler("cuda").is_enabled()
+
+
+def test_a_second_unscale_is_a_no_op_and_unscale_after_step_raises() -> None:
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    theirs, mine = grad_scaler(init_scale=4.0), ours(init_scale=4.0)
+    for scaler in (theirs, mine):
+        w.grad = None
+        scaler.scale(w.sum()).backward()
+        scaler.unscale_(opt)
+        if scaler is theirs:
+            with pytest.raises(RuntimeError, match="already been called"):
+                scaler.unscale_(opt)
+        else:
+            scaler.unscale_(opt)  # nothing happens: the gradients are unscaled once
+            torch.testing.assert_close(w.grad, torch.ones(2), rtol=0, atol=0)
+        scaler.step(opt)
+        with pytest.raises(RuntimeError, match="after"):
+            scaler.unscale_(opt)
+        scaler.update()
+
+
+def test_update_with_nothing_stepped_does_nothing_where_grad_scaler_raises() -> None:
+    theirs, mine = grad_scaler(), ours(init_scale=8.0)
+    theirs.scale(torch.zeros(()))
+    with pytest.raises(AssertionError, match="No inf checks"):
+        theirs.update()
+    mine.update()
+    assert mine.get_scale() == 8.0
+
+
+def test_a_finite_gradient_set_whose_norm_overflows_float32_is_an_overflow() -> None:
+    # 1e20 is a finite float32; its square is not. GradScaler steps (and writes a parameter of -1e20), ours skips.
+    theirs = one_param_step(grad_scaler(init_scale=1.0), grad=1e20)
+    mine = one_param_step(ours(init_scale=1.0), grad=1e20)
+    assert torch.equal(theirs.detach(), torch.full((2,), -1e20)) and torch.equal(mine.detach(), torch.zeros(2))
+
+
+def test_get_scale_reads_nothing_from_the_device_on_the_unscale_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine = ours(init_scale=8.0)
+    one_param_step(mine)
+    calls: list[str] = []
+    monkeypatch.setattr(Tensor, "item", lambda self: calls.append("item") or 0.0)
+    assert mine.get_scale() == 8.0 and calls == []
