@@ -917,23 +917,26 @@ class DynamicLossScaler:
         else:
             where = "no single gradient is non-finite, but their global L2 norm overflows float32"
         scale = record.scale if record.scale is not None else self._policy.scale
+        skipped = f"{self._stuck_skips} optimizer steps in a row were skipped"
         if self._unit_scale:
-            what = f"{self._stuck_skips} optimizer steps in a row were skipped for non-finite gradients"
+            what, why = f"{skipped} for non-finite gradients", "The model produces inf/NaN gradients."
+            fix = "check the inputs and the loss for inf/NaN, lower the learning rate, or clip gradients"
         elif scale <= self.min_scale:
-            what = (
-                f"{self._stuck_skips} optimizer steps in a row were skipped with the loss scale at its floor "
-                f"(scale={scale:g}, min_scale={self.min_scale:g})"
+            what = f"{skipped} with the loss scale at its floor (scale={scale:g}, min_scale={self.min_scale:g})"
+            why = "The model produces inf/NaN gradients even at the smallest loss scale allowed."
+            fix = (
+                "check the inputs and the loss for inf/NaN, lower the learning rate, clip gradients, train in "
+                "'bf16-mixed', or lower `min_scale`"
             )
         else:
             what = (
-                f"{self._stuck_skips} optimizer steps in a row were skipped without the loss scale coming down "
-                f"(scale={scale:g}, backoff_factor={self._policy.backoff_factor:g}, hysteresis={self.hysteresis})"
+                f"{skipped} without the loss scale coming down (scale={scale:g}, "
+                f"backoff_factor={self._policy.backoff_factor:g}, hysteresis={self.hysteresis})"
             )
+            why = "The scale cannot back off to where the gradients fit: the hysteresis or the backoff factor hold it."
+            fix = "lower `hysteresis`, use a `backoff_factor` below 1 (e.g. 0.5), or a lower `init_scale`"
         return (
-            f"Training cannot make progress: {what} ({self._skipped_steps} skipped in all); {where}. "
-            "The model produces inf/NaN gradients the loss scale cannot fix. Try: check the inputs and the loss for "
-            "inf/NaN, lower the learning rate, clip gradients, train in 'bf16-mixed', or lower `min_scale` "
-            "(or `hysteresis`, or `backoff_factor` below 1). "
+            f"Training cannot make progress: {what} ({self._skipped_steps} skipped in all); {where}. {why} Try: {fix}. "
             f"To keep going anyway, raise `max_consecutive_skips` (now {self.max_consecutive_skips}) or set it to None."
         )
 

@@ -176,6 +176,33 @@ def test_a_run_whose_every_step_is_skipped_stops_within_the_bound_read_off_the_s
     assert scaler.max_skips_in_a_row is not None and stopped_at <= scaler.max_skips_in_a_row
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"init_scale": 4.0, "max_consecutive_skips": 2}, ["at its floor (scale=1, min_scale=1)", "lower `min_scale`"]),
+        ({"hysteresis": 10**6, "max_consecutive_skips": 2}, ["hysteresis=1000000", "lower `hysteresis`"]),
+        ({"backoff_factor": 1.0, "max_consecutive_skips": 2}, ["backoff_factor=1", "`backoff_factor` below 1"]),
+    ],
+)
+def test_the_diagnosis_says_why_the_scale_could_not_help_and_what_to_change(
+    kwargs: dict[str, Any], expected: list[str]
+) -> None:
+    scaler = DynamicLossScaler(**kwargs)
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(FloatingPointError) as info:
+        overflow_forever_raising(scaler, w, opt)
+    assert all(text in str(info.value) for text in expected), str(info.value)
+
+
+def overflow_forever_raising(scaler: DynamicLossScaler, w: nn.Parameter, opt: torch.optim.Optimizer) -> None:
+    for _ in range(100):
+        opt.zero_grad()
+        scaler.scale(w.sum() * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
 def test_the_documented_bound_is_max_consecutive_skips_plus_the_backoffs_to_the_floor() -> None:
     assert DynamicLossScaler().max_skips_in_a_row == 50 + 24
     bounds = {"init_scale": 1.0, "min_scale": 2.0**-10, "max_scale": 2.0**10}
