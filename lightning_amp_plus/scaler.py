@@ -697,7 +697,8 @@ class DynamicLossScaler:
     # ----------------------------------------------------------------------------------------- the two step paths
     def _takes_fused_path(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
         """Whether ``optimizer`` can unscale and skip inside its own kernel, safely, this step."""
-        if not getattr(optimizer, "_step_supports_amp_scaling", False) or _takes_grad_scaler(optimizer):
+        inner = _innermost(optimizer)
+        if not getattr(inner, "_step_supports_amp_scaling", False) or _takes_grad_scaler(inner):
             return False
         if not params or any(p.grad is None or p.grad.is_sparse for p in params):
             return False
@@ -724,16 +725,18 @@ class DynamicLossScaler:
         self._pending.append(record)
         self._unread += 1
         self._outcomes[id(optimizer)] = StepOutcome(record, self._resolve)
-        # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step.
-        user_scale = getattr(optimizer, "grad_scale", None)
+        # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step. They
+        # go on the optimizer that runs the kernel: a wrapper (Lightning's LightningOptimizer) would keep them itself.
+        inner = _innermost(optimizer)
+        user_scale = getattr(inner, "grad_scale", None)
         scale = self._scale if user_scale is None else self._scale * user_scale
-        optimizer.grad_scale = user_scale if self._unit_scale else scale  # type: ignore[attr-defined]
-        optimizer.found_inf = flag  # type: ignore[attr-defined]
+        inner.grad_scale = user_scale if self._unit_scale else scale  # type: ignore[attr-defined]
+        inner.found_inf = flag  # type: ignore[attr-defined]
         try:
             return optimizer.step(**kwargs)
         finally:
-            del optimizer.grad_scale  # type: ignore[attr-defined]
-            del optimizer.found_inf  # type: ignore[attr-defined]
+            del inner.grad_scale  # type: ignore[attr-defined]
+            del inner.found_inf  # type: ignore[attr-defined]
 
     def _copy_to_host(self, record: StepRecord) -> None:
         """On CUDA: start copying the step's flag and norm to pinned memory, so a later read waits for nothing else."""
@@ -1044,6 +1047,16 @@ def _params_with_grads(optimizer: Optimizer) -> list[Tensor]:
                 param.grad = param.grad.coalesce()
             params.append(param)
     return params
+
+
+def _innermost(optimizer: Optimizer) -> Optimizer:
+    """The optimizer inside wrappers that expose it as ``.optimizer`` (as Lightning's ``LightningOptimizer`` does)."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
 
 def _takes_grad_scaler(optimizer: Optimizer) -> bool:

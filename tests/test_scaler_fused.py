@@ -471,3 +471,31 @@ def test_uses_fused_path_says_which_path_step_will_take(
     outcome = scaler.outcome(opt)
     assert outcome is not None and outcome.resolved is not expected  # the fused path resolves lazily
     assert not scaler.uses_fused_path(opt)  # stepped: nothing more this iteration
+
+
+def test_through_lightnings_optimizer_wrapper_the_flag_reaches_the_optimizer_that_runs_the_kernel() -> None:
+    # LightningOptimizer delegates reads to the optimizer it wraps but keeps attributes set on itself: grad_scale and
+    # found_inf must go on the wrapped one, or its kernel would step scaled gradients unscaled.
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    class Wrapper(LightningOptimizer):
+        def step(self, closure: Any = None, **kwargs: Any) -> Any:  # no Trainer here: step the wrapped optimizer
+            return self.optimizer.step(closure)
+
+    runs = []
+    for wrap in (False, True):
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        opt = Wrapper(inner) if wrap else inner
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        for step in range(6):
+            inner.zero_grad()
+            scaler.scale(loss_at(model, step)).backward()
+            poison(model, step, {3: INF})
+            assert scaler.uses_fused_path(opt)
+            scaler.step(opt)
+            scaler.update()
+        runs.append((model, scaler.skipped_steps))
+    (plain, plain_skips), (wrapped, wrapped_skips) = runs
+    assert plain_skips == wrapped_skips == 1
+    assert_same_parameters(plain, wrapped)
