@@ -35,6 +35,7 @@ Run
     python benchmarks/bench_grads.py --quick          # 2M gradients, about 10 s: a smoke test
     python benchmarks/bench_grads.py --device cuda    # the same on a GPU (torch.cuda.synchronize around each call)
     python benchmarks/bench_grads.py --layout mixed   # transformer-like shapes instead of 60 equal tensors
+    python benchmarks/bench_grads.py --threads 1      # steadier on a machine shared with other processes
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """The loss-scale policy: a small state machine over plain Python numbers.
 
 Kept apart from the code that touches gradients (as Megatron-LM's ``DynamicGradScaler`` is) so that it can be read and
-tested on its own. It runs on the host: the scaler already reads each step's overflow flag back to decide whether to
-skip the step (the one host sync it allows itself), so deciding the next scale there costs nothing, while the same
-decision on the device would cost a dozen tiny kernels per step. The device copy of the scale is written only when the
-scale changes (see ``DynamicLossScaler.update``).
+tested on its own. It runs on the host whenever the step's overflow flag is known there (the unscale path reads it
+back to decide the skip, so deciding the next scale there costs nothing); the device copy of the scale is then written
+only when the scale changes. On the fused-optimizer path the flag stays on the device, and
+:mod:`lightning_amp_plus._device_policy` runs the same rules there; the host replays them later from the flags.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from lightning_amp_plus._float32 import f32
@@ -57,6 +58,37 @@ class ScalePolicy:
     def fixed(self) -> bool:
         """True when the bounds pin the scale: it can never change."""
         return self.min_scale == self.max_scale
+
+    def backoffs_to_floor(self) -> int:
+        """The most overflows in a row that can lower the scale: the backoffs from ``max_scale`` down to ``min_scale``.
+
+        Backing off is monotone, so from any scale within the bounds it takes at most this many. 0 when the scale can
+        never be lowered (``backoff_factor=1.0``, or equal bounds).
+
+        Example:
+            >>> ScalePolicy(2.0**16, 2.0, 0.5, 2000, 1, min_scale=1.0, max_scale=2.0**24).backoffs_to_floor()
+            24
+        """
+        if self.backoff_factor >= 1.0 or self.min_scale >= self.max_scale:
+            return 0
+        # Each backoff multiplies by at most backoff_factor * (1 + 2**-24) after float32 rounding: an upper bound.
+        widest = self.backoff_factor * (1.0 + 2.0**-24)
+        bound = math.floor(math.log(self.max_scale / self.min_scale) / -math.log(widest)) + 1
+        if bound > 100_000:  # not worth walking; the bound holds
+            return bound
+        scale, count = self.max_scale, 0
+        while scale > self.min_scale:
+            scale, count = max(f32(scale * self.backoff_factor), self.min_scale), count + 1
+        return count
+
+    def backs_off_on_overflow(self) -> bool:
+        """Whether an overflow now would lower the scale: the hysteresis is used up and the scale is above its floor.
+
+        Example:
+            >>> ScalePolicy(1.0, 2.0, 0.5, 10, 1, min_scale=1.0, max_scale=8.0).backs_off_on_overflow()
+            False
+        """
+        return self.hysteresis_tracker <= 1 and max(f32(self.scale * self.backoff_factor), self.min_scale) < self.scale
 
     def update(self, found_inf: bool) -> bool:
         """Advance by one step; return whether the scale changed."""

@@ -161,7 +161,9 @@ class MixedPrecisionPlugin(Precision):
             self._set_scaler(scaler, f"`{name}(precision={precision!r}, scaler={scaler!r})`")
         elif skip_nonfinite:
             # A scale pinned at 1: the same check-and-skip machinery, no multiply.
-            self._checker = DynamicLossScaler(1.0, min_scale=1.0, max_scale=1.0, max_consecutive_skips=self._skip_limit)
+            self._checker = DynamicLossScaler(
+                init_scale=1.0, min_scale=1.0, max_scale=1.0, max_consecutive_skips=self._skip_limit
+            )
         self._ledger = _schedulers.StepLedger()
         self._held: list[Any] = []
         self._update_pending = False

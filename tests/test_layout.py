@@ -10,7 +10,17 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
-NUMERICS = ["scaler.py", "_grads.py", "_policy.py", "_schedulers.py", "_master.py", "_float32.py"]
+NUMERICS = [
+    "scaler.py",
+    "_grads.py",
+    "_policy.py",
+    "_device_policy.py",
+    "_outcome.py",
+    "_scaler_args.py",
+    "_schedulers.py",
+    "_master.py",
+    "_float32.py",
+]
 ALL_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 
 

@@ -1,4 +1,5 @@
-"""The scale policy state machine: its rules, and torch's own update kernel as the reference for hysteresis=1."""
+"""The scale policy state machine: its rules, torch's own update kernel as the reference for hysteresis=1, and the
+device policy against the host one."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import random
 import pytest
 import torch
 
+from lightning_amp_plus._device_policy import DevicePolicy
 from lightning_amp_plus._policy import ScalePolicy
 
 
@@ -89,3 +91,89 @@ def test_with_hysteresis_1_the_policy_equals_grad_scalers_update_kernel(seed: in
     inside = next((i for i, s in enumerate(reference) if not (s * backoff > 1e-30 and s * growth < 3e38)), 500)
     assert inside >= 200
     assert ours[:inside] == reference[:inside]
+
+
+# ----------------------------------------------------------------------------------------- the device policy
+def device_run(p: ScalePolicy, found: list[bool]) -> list[float]:
+    """The same steps through DevicePolicy (on CPU tensors): the scale after each."""
+    scale = torch.full((), p.scale, dtype=torch.float32)
+    device = DevicePolicy(p, scale)
+    out = []
+    for overflow in found:
+        device.advance(scale, torch.tensor(float(overflow)), p)
+        out.append(scale.item())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_device_policy_equals_the_host_policy_bit_for_bit(seed: int) -> None:
+    rng = random.Random(seed)
+    kw = dict(
+        growth_factor=rng.choice([2.0, 1.5, 3.1, 1.0001]),
+        backoff_factor=rng.choice([0.5, 0.3, 0.77, 1.0]),
+        growth_interval=rng.randint(1, 5),
+        hysteresis=rng.randint(1, 4),
+        # Tight bounds so that the floor and the ceiling are hit; bounds that are not powers of two.
+        min_scale=rng.choice([1.0, 0.37, 3.0]),
+        max_scale=rng.choice([2.0**10, 1000.0, 3.5]),
+    )
+    found = [rng.random() < rng.choice([0.1, 0.4, 0.8]) for _ in range(300)]
+    host = policy(3.0, **kw)
+    assert device_run(policy(3.0, **kw), found) == run(host, found)
+
+
+def test_the_device_policy_keeps_the_trackers_the_host_would() -> None:
+    host = policy(8.0, growth_interval=3, hysteresis=3)
+    scale = torch.full((), 8.0)
+    device = DevicePolicy(host, scale)
+    mirror = policy(8.0, growth_interval=3, hysteresis=3)
+    for overflow in (False, True, False, False, True, True, False):
+        device.advance(scale, torch.tensor(float(overflow)), host)
+        mirror.update(overflow)
+        assert device.state[1:].tolist() == [mirror.growth_tracker, mirror.hysteresis_tracker]
+
+
+def test_load_brings_the_device_trackers_and_constants_to_the_hosts() -> None:
+    host = policy(8.0, growth_interval=2)
+    scale = torch.full((), 8.0)
+    device = DevicePolicy(host, scale)
+    host.update(False)
+    host.growth_factor = 4.0  # as set_growth_factor does
+    device.load(host)
+    device.advance(scale, torch.tensor(0.0), host)
+    assert scale.item() == host.scale * 4.0
+
+
+# ------------------------------------------------------------------------------------------ bounds on skipping
+def walk_to_floor(p: ScalePolicy) -> int:
+    """Overflows in a row from max_scale until the scale stops falling (a plain loop over the policy itself)."""
+    p.scale, p.hysteresis_tracker, count = p.max_scale, 1, 0
+    while p.backs_off_on_overflow():
+        p.update(True)
+        count += 1
+    return count
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({}, 24),
+        ({"backoff_factor": 0.3}, 14),  # 0.3**14 * 2**24 < 1 < 0.3**13 * 2**24
+        ({"backoff_factor": 1.0}, 0),
+        ({"min_scale": 2.0**24}, 0),
+        ({"backoff_factor": 0.999}, 16_628),  # ln(2**24) / -ln(0.999) = 16_627.5, float32 rounding each time
+    ],
+)
+def test_backoffs_to_floor_counts_the_overflows_that_can_lower_the_scale(kw: dict[str, float], expected: int) -> None:
+    p = policy(2.0**24, **kw)
+    assert p.backoffs_to_floor() == expected == walk_to_floor(policy(2.0**24, **kw))
+
+
+def test_backoffs_to_floor_is_an_upper_bound_from_any_scale() -> None:
+    for start in (2.0**24, 12345.0, 3.0, 1.0):
+        p = policy(start, backoff_factor=0.77)
+        count = 0
+        while p.backs_off_on_overflow():
+            p.update(True)
+            count += 1
+        assert count <= p.backoffs_to_floor()

@@ -137,6 +137,106 @@ def test_skip_limit_raises_a_diagnosis_naming_parameters_scale_and_skips() -> No
     assert scaler.skipped_steps == 5 and scaler.last_overflow_params == ["2.weight"]
 
 
+def overflow_forever(scaler: DynamicLossScaler, steps: int, fused: bool = False) -> int:
+    """Step a one-parameter SGD whose every gradient is inf; return the steps taken before FloatingPointError."""
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1, fused=fused)
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(w.sum() * float("inf")).backward()
+        try:
+            scaler.step(opt)
+            scaler.update()
+        except FloatingPointError:
+            return step + 1
+    return steps
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["unscale-path", "fused-path"])
+@pytest.mark.parametrize(
+    ("kwargs", "bound"),
+    [
+        # The issue's cases: a scale far above its floor with a hysteresis that never runs out, no backoff at all.
+        ({"init_scale": 2.0**24, "hysteresis": 10**6}, 50),
+        ({"backoff_factor": 1.0}, 50),
+        ({"hysteresis": 10**9}, 50),
+        # The defaults: 16 backoffs from 2**16 to the floor (at most 24, from max_scale), then 50 at the floor.
+        ({}, 16 + 50),
+        ({"init_scale": 2.0**24}, 24 + 50),
+        # Two overflows tolerated (they count: backing off did not help), 16 backoffs, 3 more at the floor.
+        ({"hysteresis": 3, "max_consecutive_skips": 5}, 16 + 5),
+    ],
+)
+def test_a_run_whose_every_step_is_skipped_stops_within_the_bound_read_off_the_settings(
+    kwargs: dict[str, Any], bound: int, fused: bool
+) -> None:
+    scaler = DynamicLossScaler(**kwargs)
+    stopped_at = overflow_forever(scaler, steps=200, fused=fused)
+    assert stopped_at == bound
+    assert scaler.max_skips_in_a_row is not None and stopped_at <= scaler.max_skips_in_a_row
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"init_scale": 4.0, "max_consecutive_skips": 2}, ["at its floor (scale=1, min_scale=1)", "lower `min_scale`"]),
+        ({"hysteresis": 10**6, "max_consecutive_skips": 2}, ["hysteresis=1000000", "lower `hysteresis`"]),
+        ({"backoff_factor": 1.0, "max_consecutive_skips": 2}, ["backoff_factor=1", "`backoff_factor` below 1"]),
+    ],
+)
+def test_the_diagnosis_says_why_the_scale_could_not_help_and_what_to_change(
+    kwargs: dict[str, Any], expected: list[str]
+) -> None:
+    scaler = DynamicLossScaler(**kwargs)
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1)
+    with pytest.raises(FloatingPointError) as info:
+        overflow_forever_raising(scaler, w, opt)
+    assert all(text in str(info.value) for text in expected), str(info.value)
+
+
+def overflow_forever_raising(scaler: DynamicLossScaler, w: nn.Parameter, opt: torch.optim.Optimizer) -> None:
+    for _ in range(100):
+        opt.zero_grad()
+        scaler.scale(w.sum() * float("inf")).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_the_documented_bound_is_max_consecutive_skips_plus_the_backoffs_to_the_floor() -> None:
+    assert DynamicLossScaler().max_skips_in_a_row == 50 + 24
+    bounds = {"init_scale": 1.0, "min_scale": 2.0**-10, "max_scale": 2.0**10}
+    assert DynamicLossScaler(**bounds, backoff_factor=0.25).max_skips_in_a_row == 50 + 10
+    assert DynamicLossScaler(backoff_factor=1.0).max_skips_in_a_row == 50
+    assert DynamicLossScaler(max_consecutive_skips=None).max_skips_in_a_row is None
+
+
+@pytest.mark.parametrize("tracker", ["_hysteresis_tracker", "_growth_tracker"])
+def test_a_loaded_state_with_huge_trackers_does_not_postpone_the_stop(tracker: str) -> None:
+    scaler = DynamicLossScaler(max_consecutive_skips=3)
+    state = scaler.state_dict()
+    state[tracker] = 2**40  # legal, but far beyond this scaler's hysteresis and growth interval
+    scaler.load_state_dict(state)
+    assert overflow_forever(scaler, steps=200) <= 3 + 24
+
+
+def test_absurd_counters_in_a_state_are_refused_naming_the_key() -> None:
+    for key in ("_hysteresis_tracker", "_growth_tracker", "skipped_steps", "consecutive_skips", "_floor_skips"):
+        with pytest.raises(ValueError, match=rf"{key}=~1\.000e\+30 .*\[0, 2\*\*62\]"):
+            DynamicLossScaler().load_state_dict({"scale": 8.0, key: 10**30})
+        with pytest.raises(ValueError, match=rf"{key}=4611686018427387905;"):
+            DynamicLossScaler().load_state_dict({"scale": 8.0, key: 2**62 + 1})
+
+
+def test_a_scale_beyond_any_float_raises_a_value_error_naming_it_not_an_overflow_error() -> None:
+    with pytest.raises(ValueError, match=r"init_scale=~1\.000e\+400 .*\[min_scale, max_scale\]"):
+        DynamicLossScaler(init_scale=10**400)
+    with pytest.raises(ValueError, match=r"scale=~1\.000e\+400 .*beyond the float range"):
+        DynamicLossScaler().load_state_dict({"scale": 10**400})
+    with pytest.raises(ValueError, match=r"scale=1e\+300.*within float32"):
+        DynamicLossScaler().load_state_dict({"scale": 1e300})
+
+
 def test_unnamed_parameters_are_called_by_their_place_in_the_optimizer() -> None:
     a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1)

@@ -5,6 +5,9 @@ The reference (:class:`Reference`) is written from the docstrings of ``ScalePoli
 and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 -> float32 cast).
 
 Every test is derandomized (``derandomize=True``, no example database) so CI sees the same examples on every run.
+The end-to-end properties draw the optimizer too: plain SGD (the unscale path, one host read per step) or fused SGD
+(the fused path: the policy advances on the device and the host replays it from the flags later); both must follow the
+same reference.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import struct
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -80,8 +83,10 @@ class Reference:
       next growth.
     * The scale is a float32: bounds and initial scale are rounded to float32, products are taken in float64 and rounded
       once to float32.
-    * An overflow skips the optimizer step. ``max_consecutive_skips`` skips in a row *with the scale at min_scale*
-      raise ``FloatingPointError`` (in ``step``, before ``update``).
+    * An overflow skips the optimizer step. A skip that backing off could not help (the coming update does not lower
+      the scale: it is at min_scale, the hysteresis tolerates the overflow, or the backoff rounds to no change) counts
+      towards ``max_consecutive_skips``; that many such skips within one run of skips raise ``FloatingPointError`` (in
+      ``step``, before ``update``). A clean step ends the run.
     """
 
     hyper: Hyper
@@ -92,7 +97,7 @@ class Reference:
     overflows_since_growth: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
-    skips_at_floor: int = 0
+    stuck_skips: int = 0
     last_step_skipped: bool = False
 
     def __post_init__(self) -> None:
@@ -120,14 +125,16 @@ class Reference:
         """The optimizer step's bookkeeping; return whether the skip limit is reached (``FloatingPointError``)."""
         self.last_step_skipped = overflow
         if not overflow:
-            self.consecutive_skips = self.skips_at_floor = 0
+            self.consecutive_skips = self.stuck_skips = 0
             return False
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        if self.scale == self.min_scale:
-            self.skips_at_floor += 1
+        backs_off = self.overflows_since_growth + 1 >= self.hyper.hysteresis
+        lowers = backs_off and max(to_f32(self.scale * self.hyper.backoff_factor), self.min_scale) < self.scale
+        if not lowers:
+            self.stuck_skips += 1
         limit = self.hyper.max_consecutive_skips
-        return limit is not None and self.skips_at_floor >= limit
+        return limit is not None and self.stuck_skips >= limit
 
 
 class Seen(NamedTuple):
@@ -171,6 +178,16 @@ NUMEL = sum(math.prod(shape) for shape in SHAPES)
 NO_LIMIT: st.SearchStrategy[int | None] = st.none()
 
 
+# Backoff factors within 2**-22 of 1 round to no backoff in float32; the constructor refuses them (1.0 itself is fine).
+BACKOFF_MAX = 1.0 - 2.0**-22
+
+
+def backoffs(low: float, high: float) -> st.SearchStrategy[float]:
+    """Factors in ``[low, high)``, the ones the constructor refuses left out; with ``high == 1``, also 1.0 itself."""
+    below = st.floats(low, min(high, BACKOFF_MAX), exclude_max=high <= BACKOFF_MAX)
+    return st.one_of(below, st.just(1.0)) if high >= 1.0 else below
+
+
 @st.composite
 def hyperparameters(
     draw: st.DrawFn,
@@ -189,7 +206,7 @@ def hyperparameters(
     return Hyper(
         init_scale=init,
         growth_factor=draw(st.floats(1.0, 4.0, exclude_min=True)),
-        backoff_factor=draw(st.floats(*backoff, exclude_max=True)),
+        backoff_factor=draw(backoffs(*backoff)),
         growth_interval=draw(st.integers(1, 20)),
         hysteresis=draw(st.integers(1, 5)),
         min_scale=min_scale,
@@ -240,12 +257,16 @@ def split(values: Sequence[float]) -> list[Tensor]:
 
 
 class Toy:
-    """SGD on two fp32 parameters with ``loss = sum(c * p)``: the true gradient is ``c`` at every step."""
+    """SGD on two fp32 parameters with ``loss = sum(c * p)``: the true gradient is ``c`` at every step.
 
-    def __init__(self, start: Sequence[float], coefs: Sequence[float], lr: float = 0.1) -> None:
+    ``fused=True``: torch's fused SGD, which the scaler drives through its fused path (the optimizer unscales and
+    skips on the device, the host reads the flags later).
+    """
+
+    def __init__(self, start: Sequence[float], coefs: Sequence[float], lr: float = 0.1, fused: bool = False) -> None:
         self.params = [nn.Parameter(value) for value in split(start)]
         self.coefs = split(coefs)
-        self.opt = torch.optim.SGD(self.params, lr=lr)
+        self.opt = torch.optim.SGD(self.params, lr=lr, fused=fused)
 
     def backward(self, scaler: Any, poison: Poison) -> None:
         """Backward of the scaled loss (gradients ``c * scale``, one float32 rounding), then the poison, if any."""
@@ -313,24 +334,24 @@ def run(
     """Train ``toy`` through ``plan``; return what each step left observable and the parameters after it.
 
     With ``check`` (the scaler's constants), the invariants are asserted after every step and ``update()`` must read
-    nothing from the device. Stops at the first ``FloatingPointError`` (recorded as ``raised``).
+    nothing from the device. Stops at the first ``FloatingPointError`` (recorded as ``raised``), which the unscale
+    path raises in ``step()`` and the fused path, which learns of the skips later, in ``update()``.
     """
     seen: list[Seen] = []
     values: list[Tensor] = []
     for poison in plan:
         toy.backward(scaler, poison)
+        raised = False
         try:
             scaler.step(toy.opt)
-        except FloatingPointError:
-            raised = True
-        else:
-            raised = False
             calls: list[str] = []
             with host_reads(calls) if check is not None else nullcontext():
                 scaler.update()
             assert calls == [], f"update() read {calls} from the device"
-            if check is not None:
-                assert_invariants(scaler, check)
+        except FloatingPointError:
+            raised = True
+        if check is not None and not raised:
+            assert_invariants(scaler, check)
         if isinstance(scaler, DynamicLossScaler):
             counts = (scaler.last_step_skipped, raised, scaler.get_scale(), scaler.skipped_steps)
             seen.append(Seen(*counts, scaler.consecutive_skips))
@@ -363,12 +384,13 @@ def test_policy_update_follows_the_reference(hyper: Hyper, plan: list[Poison]) -
     start=starts,
     coefs=coefficients,
     lr=st.floats(1e-3, 1.0),
+    fused=st.booleans(),
 )
 @examples(100)
 def test_scaler_driving_sgd_follows_the_reference(
-    hyper: Hyper, plan: list[Poison], start: list[float], coefs: list[float], lr: float
+    hyper: Hyper, plan: list[Poison], start: list[float], coefs: list[float], lr: float, fused: bool
 ) -> None:
-    toy = Toy(start, coefs, lr)
+    toy = Toy(start, coefs, lr, fused)
     seen, values = run(hyper.scaler(), toy, plan)
     assert seen == reference_trace(hyper, overflows_of(plan))
 
@@ -392,16 +414,16 @@ def test_scaler_driving_sgd_follows_the_reference(
         before = after
 
 
-@given(hyper=hyperparameters(), plan=plans(max_steps=40), coefs=coefficients)
+@given(hyper=hyperparameters(), plan=plans(max_steps=40), coefs=coefficients, fused=st.booleans())
 @examples(80)
 def test_scale_stays_a_normal_float32_within_bounds_and_update_never_reads_the_device(
-    hyper: Hyper, plan: list[Poison], coefs: list[float]
+    hyper: Hyper, plan: list[Poison], coefs: list[float], fused: bool
 ) -> None:
     # Any bounds in float32's normal range, up to its max: scaled gradients may overflow on their own at huge scales
     # (then the step is skipped, as it should be), so only the invariants are checked here, not the sequence.
     scaler = hyper.scaler()
     assert_invariants(scaler, hyper)
-    seen, _ = run(scaler, Toy([1.0] * NUMEL, coefs), plan, check=hyper)
+    seen, _ = run(scaler, Toy([1.0] * NUMEL, coefs, fused=fused), plan, check=hyper)
     assert len(seen) == len(plan)
 
 
@@ -418,16 +440,17 @@ def test_scale_stays_a_normal_float32_within_bounds_and_update_never_reads_the_d
     plan_and_cut=plans(max_steps=30).flatmap(lambda plan: st.tuples(st.just(plan), st.integers(0, len(plan)))),
     start=starts,
     coefs=coefficients,
+    fused=st.booleans(),
 )
 @examples(80)
 def test_a_state_dict_round_trip_at_any_step_continues_like_an_uninterrupted_run(
-    hyper: Hyper, plan_and_cut: tuple[list[Poison], int], start: list[float], coefs: list[float]
+    hyper: Hyper, plan_and_cut: tuple[list[Poison], int], start: list[float], coefs: list[float], fused: bool
 ) -> None:
     plan, k = plan_and_cut
     whole = hyper.scaler()
-    seen_whole, values_whole = run(whole, Toy(start, coefs), plan)
+    seen_whole, values_whole = run(whole, Toy(start, coefs, fused=fused), plan)
 
-    first, toy = hyper.scaler(), Toy(start, coefs)
+    first, toy = hyper.scaler(), Toy(start, coefs, fused=fused)
     seen, values = run(first, toy, plan[:k])
     last = first
     if not (seen and seen[-1].raised):
@@ -457,7 +480,7 @@ def grad_scaler_like(draw: st.DrawFn) -> Hyper:
     return Hyper(
         init_scale=draw(st.floats(1.0, 1e18)),
         growth_factor=draw(st.floats(1.0, 4.0, exclude_min=True)),
-        backoff_factor=draw(st.floats(0.1, 1.0, exclude_max=True)),
+        backoff_factor=draw(st.floats(0.1, BACKOFF_MAX)),
         growth_interval=draw(st.integers(1, 20)),
         hysteresis=1,
         min_scale=F32_TINY,
@@ -465,12 +488,12 @@ def grad_scaler_like(draw: st.DrawFn) -> Hyper:
     )
 
 
-@given(hyper=grad_scaler_like(), plan=plans(max_steps=30), start=starts, coefs=coefficients)
+@given(hyper=grad_scaler_like(), plan=plans(max_steps=30), start=starts, coefs=coefficients, fused=st.booleans())
 @examples(60)
 def test_with_hysteresis_1_and_loose_bounds_the_scale_is_grad_scalers(
-    hyper: Hyper, plan: list[Poison], start: list[float], coefs: list[float]
+    hyper: Hyper, plan: list[Poison], start: list[float], coefs: list[float], fused: bool
 ) -> None:
-    ours, our_values = run(hyper.scaler(), Toy(start, coefs), plan)
+    ours, our_values = run(hyper.scaler(), Toy(start, coefs, fused=fused), plan)
     grad_scaler = torch.amp.GradScaler(
         "cpu",
         init_scale=hyper.init_scale,
@@ -478,7 +501,7 @@ def test_with_hysteresis_1_and_loose_bounds_the_scale_is_grad_scalers(
         backoff_factor=hyper.backoff_factor,
         growth_interval=hyper.growth_interval,
     )
-    theirs, their_values = run(grad_scaler, Toy(start, coefs), plan)
+    theirs, their_values = run(grad_scaler, Toy(start, coefs, fused=fused), plan)
     assert [s.scale for s in ours] == [s.scale for s in theirs]
     # Same scaled gradients, same float32 inverse scale, same skip decisions, same SGD: bit-identical parameters.
     torch.testing.assert_close(torch.stack(our_values), torch.stack(their_values), rtol=0, atol=0)
@@ -490,10 +513,11 @@ def test_with_hysteresis_1_and_loose_bounds_the_scale_is_grad_scalers(
     ),
     prefix=plans(max_steps=20),
     coefs=coefficients,
+    fused=st.booleans(),
 )
 @examples(60)
-def test_the_skip_limit_raises_exactly_at_max_consecutive_skips_at_the_floor(
-    hyper: Hyper, prefix: list[Poison], coefs: list[float]
+def test_the_skip_limit_raises_exactly_where_the_reference_does_and_within_the_documented_bound(
+    hyper: Hyper, prefix: list[Poison], coefs: list[float], fused: bool
 ) -> None:
     # A random start, then overflows until the reference reaches the limit: within 2**12 of the floor, backing off by
     # at most 0.9, that takes at most ~80 + hysteresis + limit steps.
@@ -504,7 +528,39 @@ def test_the_skip_limit_raises_exactly_at_max_consecutive_skips_at_the_floor(
     expected = reference_trace(hyper, overflows_of(plan))
 
     scaler = hyper.scaler()
-    seen, _ = run(scaler, Toy([1.0] * NUMEL, coefs), plan)
+    seen, _ = run(scaler, Toy([1.0] * NUMEL, coefs, fused=fused), plan)
     # Not before (every earlier step ran through update), and at exactly the step the reference raises at.
     assert seen == expected
-    assert seen[-1].raised and scaler.get_scale() == to_f32(hyper.min_scale)
+    assert seen[-1].raised
+    assert scaler.max_skips_in_a_row is not None and seen[-1].consecutive_skips <= scaler.max_skips_in_a_row
+
+
+@given(
+    hyper=hyperparameters(
+        scales=(2.0**-60, 2.0**60),
+        below=2.0**16,
+        above=2.0**4,
+        backoff=(0.1, 0.9),
+        limit=st.integers(1, 6),
+    ),
+    huge_hysteresis=st.booleans(),
+    no_backoff=st.booleans(),
+    fused=st.booleans(),
+)
+@examples(60)
+def test_a_run_whose_every_step_overflows_stops_within_max_skips_in_a_row(
+    hyper: Hyper, huge_hysteresis: bool, no_backoff: bool, fused: bool
+) -> None:
+    # Whatever the policy: a hysteresis that never runs out, a backoff of 1 that never lowers the scale, a scale far
+    # above its floor. The bound is read off the settings before the run.
+    hyper = replace(
+        hyper,
+        hysteresis=10**9 if huge_hysteresis else hyper.hysteresis,
+        backoff_factor=1.0 if no_backoff else hyper.backoff_factor,
+    )
+    scaler = hyper.scaler()
+    bound = scaler.max_skips_in_a_row
+    assert bound is not None
+    seen, _ = run(scaler, Toy([1.0] * NUMEL, [1.0] * NUMEL, fused=fused), [(INF, 0)] * (bound + 1))
+    assert seen[-1].raised and len(seen) <= bound
+    assert all(step.skipped for step in seen[:-1])

@@ -1,0 +1,103 @@
+"""Checks of ``DynamicLossScaler``'s arguments and of the states it loads: clear errors naming the key and the value.
+
+Numbers are checked without ever raising a bare ``OverflowError`` (``float(10**400)`` does): a value too large for a
+float is reported as out of range, with the argument or key it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["COUNTER_MAX", "TRACKER_MAX", "is_int", "real", "read_count", "read_number", "require", "show"]
+
+# Counters in a state above this are corrupt, not large: 2**62 optimizer steps would take longer than the universe.
+COUNTER_MAX = 2**62
+# Growth interval, hysteresis and their trackers: the device runs the policy on them in float64, exact up to 2**53.
+TRACKER_MAX = 2**53
+
+
+def show(value: object) -> str:
+    """``repr(value)``, with a huge int written as ``~1.000e+400`` (its exact digits would fill the message).
+
+    Example:
+        >>> show(10**400), show(2.5)
+        ('~1.000e+400 (an int of 401 digits)', '2.5')
+    """
+    if is_int(value) and abs(int(value)) >= 10**20:  # type: ignore[call-overload]
+        digits = str(abs(int(value)))  # type: ignore[call-overload]
+        sign = "-" if int(value) < 0 else ""  # type: ignore[call-overload]
+        return f"~{sign}{digits[0]}.{digits[1:4]}e+{len(digits) - 1} (an int of {len(digits)} digits)"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def require(condition: bool, argument: str, value: object, rule: str, owner: str = "DynamicLossScaler") -> None:
+    """Raise ``ValueError`` naming ``owner(argument=value)`` and the rule, unless ``condition``."""
+    if not condition:
+        raise ValueError(f"`{owner}({argument}={show(value)})` is invalid: {argument} {rule}.")
+
+
+def is_int(value: object) -> bool:
+    """An integral number that is not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def real(value: object) -> float | None:
+    """``value`` as a finite float, or ``None`` if it is not a finite real number (bools are not numbers here).
+
+    Example:
+        >>> real(3), real(10**400), real(float("inf")), real(True)
+        (3.0, None, None, None)
+    """
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def read_number(state: Mapping[str, Any], key: str, kind: type[int] | type[float], default: float | None = None) -> Any:
+    """Read ``state[key]`` as an int or a float (a one-element tensor is accepted, as some GradScaler states hold).
+
+    Raises:
+        ValueError: the key is missing (and has no default), or a float is beyond the float range.
+        TypeError: the value is not a number of that kind.
+    """
+    if key not in state:
+        if default is None:
+            raise ValueError(f"The scaler state has no {key!r} key.")
+        return kind(default)
+    value = state[key]
+    if isinstance(value, Tensor) and value.numel() == 1:
+        value = value.item()
+    valid = is_int(value) if kind is int else isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not valid:
+        expected = "an int" if kind is int else "a number"
+        raise TypeError(f"The scaler state holds {key}={show(value)} ({type(value).__name__}); expected {expected}.")
+    if kind is int:
+        return int(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"The scaler state holds {key}={show(value)}, beyond the float range: the state is corrupt."
+        ) from None
+
+
+def read_count(state: Mapping[str, Any], key: str, default: int, limit: int = COUNTER_MAX) -> int:
+    """Read a tracker or counter: an int in ``[0, limit]`` (a negative or absurd one would move the skip limit)."""
+    value: int = read_number(state, key, int, default)
+    if not 0 <= value <= limit:
+        bound = "2**62" if limit == COUNTER_MAX else "2**53" if limit == TRACKER_MAX else str(limit)
+        raise ValueError(
+            f"The scaler state holds {key}={show(value)}; counters and trackers must be ints in [0, {bound}]: the "
+            "state is corrupt. Remove it to start with a fresh scaler."
+        )
+    return value
