@@ -19,38 +19,60 @@ __all__ = ["StepLedger", "hold", "release"]
 
 
 class StepLedger:
-    """Counts, per optimizer, the steps called and the steps applied; and per scheduler, what it last saw."""
+    """Counts, per optimizer, the steps called and the steps applied; and per scheduler, what it last saw.
+
+    A step's outcome may be known only later (a fused optimizer skips on the device): :meth:`record` takes anything
+    with a ``skipped`` attribute, and it is read only when a scheduler of that optimizer asks.
+    """
 
     def __init__(self) -> None:
         self._counts: dict[int, tuple[int, int]] = {}
+        self._pending: dict[int, list[Any]] = {}
         self._seen: weakref.WeakKeyDictionary[Any, tuple[int, int]] = weakref.WeakKeyDictionary()
         self.held_steps = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # Pickled with the plugin when `ddp_spawn` starts its processes: what each scheduler last saw belongs to
         # scheduler objects of this process only, and a weak mapping cannot be pickled anyway.
+        self._settle_all()
         return {"_counts": self._counts, "held_steps": self.held_steps}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._pending = {}
         self._seen = weakref.WeakKeyDictionary()
 
     def record(self, optimizer: object, applied: bool) -> None:
         """Note one step of ``optimizer``, applied or skipped."""
-        called, done = self._counts.get(id(optimizer), (0, 0))
-        self._counts[id(optimizer)] = (called + 1, done + int(applied))
+        self._pending.setdefault(id(optimizer), []).append(not applied)
+
+    def record_outcome(self, optimizer: object, outcome: Any) -> None:
+        """Note one step of ``optimizer`` whose ``outcome.skipped`` is read only when a scheduler asks."""
+        self._pending.setdefault(id(optimizer), []).append(outcome)
 
     def should_hold(self, scheduler: Any) -> bool:
         """True when ``scheduler``'s optimizer stepped since the scheduler's last step and every such step was skipped.
 
         Records the scheduler's view either way, so each optimizer step is judged once.
         """
+        self._settle(id(scheduler.optimizer))
         now = self._counts.get(id(scheduler.optimizer), (0, 0))
         called, done = self._seen.get(scheduler, (0, 0))
         self._seen[scheduler] = now
         held = now[0] > called and now[1] == done
         self.held_steps += int(held)
         return held
+
+    def _settle(self, key: int) -> None:
+        called, done = self._counts.get(key, (0, 0))
+        for outcome in self._pending.pop(key, ()):
+            skipped = outcome if isinstance(outcome, bool) else bool(outcome.skipped)
+            called, done = called + 1, done + int(not skipped)
+        self._counts[key] = (called, done)
+
+    def _settle_all(self) -> None:
+        for key in list(self._pending):
+            self._settle(key)
 
 
 # One held subclass per scheduler class; which ledger a held scheduler consults is looked up by the instance.

@@ -78,6 +78,10 @@ class MixedPrecisionMonitor(Callback):
         >>> trainer = Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False)
     """
 
+    # Its on_before_optimizer_step reads gradients only where no scaler checks them: a fused optimizer under our
+    # plugin may keep them scaled for its own kernel (see MixedPrecisionPlugin).
+    reads_unscaled_gradients = False
+
     def __init__(
         self,
         *,
@@ -155,8 +159,10 @@ class MixedPrecisionMonitor(Callback):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        # Once per optimizer step (several per batch under manual optimization): the scale its gradients carry.
-        self._scales_before.append(None if trainer.scaler is None else float(trainer.scaler.get_scale()))
+        # Once per optimizer step (several per batch under manual optimization): the scale its gradients carry. Our
+        # plugin records it with the step (read here, it would cost a fused optimizer's step a host read).
+        ours = isinstance(trainer.precision_plugin, MixedPrecisionPlugin)
+        self._scales_before.append(None if ours or trainer.scaler is None else float(trainer.scaler.get_scale()))
         if self._checking(trainer) and not self._guarded(trainer):
             named = [(n, p.grad) for n, p in self._named if p.grad is not None]
             self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -42,9 +41,11 @@ _RECENT_STEPS = 1024
 _DEFAULT_SKIPS = 50
 
 
-@dataclass(frozen=True)
 class OptimizerStep:
     """What one optimizer step under :class:`MixedPrecisionPlugin` looked like (see ``recent_steps``).
+
+    Read from the scaler's lazy outcome of the step: on the fused-optimizer path, which skips on the device, reading
+    ``skipped`` (or another field but ``index`` and ``optimizer``) is the host read the step itself did not make.
 
     Attributes:
         index: the plugin's count of optimizer steps before this one (0 for the first step of the first fit).
@@ -55,12 +56,47 @@ class OptimizerStep:
         overflow_params: on a skipped step, the parameters whose gradients were non-finite.
     """
 
-    index: int
-    optimizer: int
-    scale: float | None
-    skipped: bool
-    grad_norm: float | None
-    overflow_params: tuple[str, ...] = ()
+    def __init__(
+        self,
+        index: int,
+        optimizer: int,
+        scale: float | None = None,
+        skipped: bool = False,
+        grad_norm: float | None = None,
+        overflow_params: tuple[str, ...] = (),
+        *,
+        outcome: Any = None,
+        scaled: bool = True,
+    ) -> None:
+        self.index = index
+        self.optimizer = optimizer
+        self._values = (scale, skipped, grad_norm, overflow_params)
+        self._outcome = outcome
+        self._scaled = scaled
+
+    @property
+    def scale(self) -> float | None:  # noqa: D102 (documented in the class docstring)
+        if self._outcome is None:
+            return self._values[0]
+        return float(self._outcome.scale) if self._scaled else None
+
+    @property
+    def skipped(self) -> bool:  # noqa: D102
+        return self._values[1] if self._outcome is None else bool(self._outcome.skipped)
+
+    @property
+    def grad_norm(self) -> float | None:  # noqa: D102
+        return self._values[2] if self._outcome is None else self._outcome.grad_norm
+
+    @property
+    def overflow_params(self) -> tuple[str, ...]:  # noqa: D102
+        return self._values[3] if self._outcome is None else tuple(self._outcome.overflow_params)
+
+    def __repr__(self) -> str:
+        return (
+            f"OptimizerStep(index={self.index}, optimizer={self.optimizer}, scale={self.scale}, "
+            f"skipped={self.skipped}, grad_norm={self.grad_norm})"
+        )
 
 
 class MixedPrecisionPlugin(Precision):
@@ -176,6 +212,7 @@ class MixedPrecisionPlugin(Precision):
         self._optimizer_index: dict[int, int] = {}
         self._steps_taken = 0
         self.recent_steps: deque[OptimizerStep] = deque(maxlen=_RECENT_STEPS)
+        self._hooks_read_gradients = True
 
     # ------------------------------------------------------------------------------------------------ the scaler
     @property
@@ -274,6 +311,7 @@ class MixedPrecisionPlugin(Precision):
         for optimizer in optimizers:
             self._refuse_lbfgs(optimizer)
         self._optimizer_index = {id(_inner(opt)): index for index, opt in enumerate(optimizers)}
+        self._hooks_read_gradients = _hooks_may_read_gradients(module)
         if self.master_weights and _fitting(module, default=bool(optimizers)):
             self._set_up_master_weights(model, module)
         if self._checker is not None:
@@ -451,16 +489,23 @@ class MixedPrecisionPlugin(Precision):
         closure_result = closure()  # forward under autocast, backward of the scaled loss
         if closure_result is None and model.automatic_optimization:
             return self._no_step(optimizer, model)  # training_step returned None: no backward ran
-        self._prepare_grads(optimizer)  # FP32 weights and gradients; unscaled, checked and measured once
+        # FP32 weights and gradients; unscaled, checked and measured once (or, for a fused optimizer that nothing
+        # else needs unscaled gradients from, left to its kernel: no host read in the step).
+        self._prepare_grads(optimizer, unscale=self._hooks_read_gradients)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         return self._step_with_ready_grads(optimizer, model, **kwargs)
 
-    def _prepare_grads(self, optimizer: Optimizer) -> None:
-        """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step."""
+    def _prepare_grads(self, optimizer: Optimizer, unscale: bool = True) -> None:
+        """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step.
+
+        With ``unscale=False`` a fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``) gets them still scaled:
+        its own kernel unscales them and skips the step on the device (the scaler's fused path).
+        """
         if self._copies is not None:
             self._copies.widen_(_params_of(optimizer))
-        if self._checker is not None:
-            self._checker.unscale_(optimizer)
+        if self._checker is None or (not unscale and self._checker.uses_fused_path(optimizer)):
+            return
+        self._checker.unscale_(optimizer)
 
     def _step_with_ready_grads(self, optimizer: Optimizer, model: pl.LightningModule, **kwargs: Any) -> Any:
         """Step (or skip) with the prepared gradients; count the step; update the scale once per batch."""
@@ -470,7 +515,6 @@ class MixedPrecisionPlugin(Precision):
             try:
                 output = self._checker.step(optimizer, **kwargs)
             finally:
-                self._ledger.record(optimizer, applied=not self._checker.last_step_skipped)
                 self._record_step(optimizer)
             if model.automatic_optimization:
                 self._checker.update()
@@ -505,18 +549,16 @@ class MixedPrecisionPlugin(Precision):
         return trainer is None or not getattr(trainer.fit_loop, "_skip_backward", False)
 
     def _record_step(self, optimizer: Optimizer) -> None:
+        """Note the step for the schedulers and in ``recent_steps``, without reading its outcome (it may be pending)."""
         checker = self._checker
         assert checker is not None
-        skipped = checker.last_step_skipped
+        outcome = checker.outcome(optimizer)
+        if outcome is None:  # the step did not get as far as the scaler's record (an error before it)
+            return
+        self._ledger.record_outcome(optimizer, outcome)
+        index = self._optimizer_index.get(id(optimizer), 0)
         self.recent_steps.append(
-            OptimizerStep(
-                index=self._steps_taken,
-                optimizer=self._optimizer_index.get(id(optimizer), 0),
-                scale=None if self._scaler is None else self._scaler.last_step_scale,
-                skipped=skipped,
-                grad_norm=checker.grad_norm(optimizer),
-                overflow_params=tuple(checker.last_overflow_params) if skipped else (),
-            )
+            OptimizerStep(self._steps_taken, index, outcome=outcome, scaled=self._scaler is not None)
         )
         self._steps_taken += 1
 
@@ -531,6 +573,8 @@ class MixedPrecisionPlugin(Precision):
         # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
         # that both reach the scaler's record of the same optimizer and the gradients are unscaled only once.
         optimizer = _inner(optimizer)
+        if clip_val <= 0:
+            return  # Lightning asks at every step; nothing to clip, so the gradients may stay as they are (fused path)
         # Under manual optimization users clip before opt.step(): prepare first (a no-op if already done).
         self._prepare_grads(optimizer)
         super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
@@ -643,6 +687,24 @@ def _default_device() -> str:
 def _inner(optimizer: Any) -> Any:
     """The optimizer inside Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _hooks_may_read_gradients(module: nn.Module) -> bool:
+    """Whether an ``on_before_optimizer_step`` hook (the module's or a callback's) may read the gradients.
+
+    Such hooks are promised unscaled gradients, so a fused optimizer then takes the scaler's unscale path. Callbacks
+    that declare ``reads_unscaled_gradients = False`` (``MixedPrecisionMonitor`` does) do not count.
+    """
+    if not isinstance(module, pl.LightningModule):
+        return True
+    if type(module).on_before_optimizer_step is not pl.LightningModule.on_before_optimizer_step:
+        return True
+    callbacks: list[pl.Callback] = getattr(module._trainer, "callbacks", [])
+    return any(
+        type(callback).on_before_optimizer_step is not pl.Callback.on_before_optimizer_step
+        and getattr(callback, "reads_unscaled_gradients", True)
+        for callback in callbacks
+    )
 
 
 def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:
