@@ -177,21 +177,32 @@ class MixedPrecisionMonitor(Callback):
         memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
         self._log(pl_module, steps, memory)
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
-        first = trainer.global_step - len(steps)  # global_step counts every optimizer step, skipped or not
+        # global_step counts every optimizer step, skipped or not
+        self._record(trainer, steps, trainer.global_step - len(steps), peak)
+        if self._checking(trainer) and not self._stopping:
+            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        # A step that stopped the run (the scaler's skip limit) never reached on_train_batch_end: record it too, so the
+        # history (and the summary made of it) holds every step taken.
+        steps = self._steps_of_this_batch(trainer) if isinstance(trainer.precision_plugin, MixedPrecisionPlugin) else []
+        self._record(trainer, steps, trainer.global_step, None)
+
+    def _record(self, trainer: pl.Trainer, steps: list[OptimizerStep], first: int, peak: float | None) -> None:
         for offset, step in enumerate(steps):
             index = first + offset
             self.history.steps.append(StepRecord(index, step.scale, step.skipped, step.grad_norm, peak))
             if step.overflow_params:
                 self.history.nonfinite_events.append((index, "overflowed gradients", list(step.overflow_params)))
             self._watch_skips(trainer)
-        if self._checking(trainer) and not self._stopping:
-            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
 
     def _steps_of_this_batch(self, trainer: pl.Trainer) -> list[OptimizerStep]:
         """Every optimizer step this batch took, in order: from our plugin's own record, or read off the scale."""
         plugin = trainer.precision_plugin
         if isinstance(plugin, MixedPrecisionPlugin):
             steps = [step for step in plugin.recent_steps if step.index >= self._first_step]
+            self._first_step = plugin.steps_taken  # consumed: never reported twice
             self._skips_seen += sum(step.skipped for step in steps)
             return steps
         scales = self._scales_before

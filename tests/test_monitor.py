@@ -672,3 +672,12 @@ def test_a_run_that_never_applies_a_step_warns_once_its_window_is_full_of_skips(
 def test_a_chart_path_that_cannot_be_written_is_refused_when_the_monitor_is_built(path: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         MixedPrecisionMonitor(report_path=path)
+
+
+def test_the_step_that_stops_a_run_is_in_the_history_too():
+    plugin = fp16_plugin(init_scale=1.0, min_scale=1.0, max_consecutive_skips=3)
+    monitor = MixedPrecisionMonitor()
+    with pytest.raises(FloatingPointError):
+        fit(Faulty(overflow_steps=range(100)), plugin, monitor=monitor)
+    assert [record.step for record in monitor.history.steps] == [0, 1, 2]
+    assert all(record.skipped for record in monitor.history.steps)
