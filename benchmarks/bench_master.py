@@ -128,8 +128,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
-from lightning_amp_plus._configs import SETUPS, PrecisionSetup
-from lightning_amp_plus._master import managed_parameters
+from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
+from lightning_amp_plus.numerics.master import managed_parameters
 
 MIB = 2**20
 _INIT_SCALE = 2.0**10

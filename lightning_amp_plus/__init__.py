@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_amp_plus.monitor import MixedPrecisionMonitor
+    from lightning_amp_plus.numerics.scaler import DynamicLossScaler
     from lightning_amp_plus.precision import MixedPrecisionPlugin
-    from lightning_amp_plus.scaler import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
 __version__ = "0.1.0"
 
 _HOMES = {
-    "DynamicLossScaler": "lightning_amp_plus.scaler",
+    "DynamicLossScaler": "lightning_amp_plus.numerics.scaler",
     "MixedPrecisionMonitor": "lightning_amp_plus.monitor",
     "MixedPrecisionPlugin": "lightning_amp_plus.precision",
 }

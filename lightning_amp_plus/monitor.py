@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
-from lightning_amp_plus._grads import nonfinite_names
+from lightning_amp_plus.numerics.grads import nonfinite_names
 from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 

@@ -1,7 +1,8 @@
 """``MixedPrecisionPlugin``: the Lightning face of the scaler and of FP32 master weights.
 
-A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live in :mod:`lightning_amp_plus.scaler`
-(loss scaling, the gradient check) and :mod:`lightning_amp_plus._master` (half copies of FP32 weights).
+A ``lightning.pytorch.plugins.precision.Precision`` subclass; the numerics live in
+:mod:`lightning_amp_plus.numerics.scaler` (loss scaling, the gradient check) and
+:mod:`lightning_amp_plus.numerics.master` (half copies of FP32 weights).
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus import _schedulers
-from lightning_amp_plus._master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
-from lightning_amp_plus.scaler import DynamicLossScaler
+from lightning_amp_plus.numerics import schedulers as _schedulers
+from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 
 __all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
 
@@ -128,8 +129,9 @@ class MixedPrecisionPlugin(Precision):
             weights"): in a single process the model's parameters hold FP32 between optimizer steps and a half copy,
             made once per step, for forward and backward; under DDP the gradients are all-reduced in the half dtype.
         half_modules: with ``master_weights``, the module types whose own parameters compute from half copies
-            (``None``: the layers autocast runs in half, :func:`~lightning_amp_plus._master.default_half_modules`:
-            Linear, Conv, attention, RNNs; ``(nn.Module,)``: every floating parameter). All others stay FP32.
+            (``None``: the layers autocast runs in half,
+            :func:`~lightning_amp_plus.numerics.master.default_half_modules`: Linear, Conv, attention, RNNs;
+            ``(nn.Module,)``: every floating parameter). All others stay FP32.
         keep_fp32: with ``master_weights``, module types whose whole subtree stays FP32 anyway (e.g. a discriminator
             applied twice per loss, see the README).
         fp32_grad_accumulation: with ``master_weights`` and gradient accumulation, sum the micro-batches' half

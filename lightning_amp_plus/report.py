@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lightning_amp_plus._checks import check_output_file, plural, shown, spans
+from lightning_amp_plus._paths import check_output_file
+from lightning_amp_plus._wording import plural, shown, spans
 
 __all__ = [
     "AmpHistory",

@@ -16,10 +16,10 @@ import pytest
 import torch
 from helpers import usage_error
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin, _settings, doctor
-from lightning_amp_plus._runs import resolve_precision
-from lightning_amp_plus._train import train
-from lightning_amp_plus.cli import AmpSettings, build_parser, main
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
+from lightning_amp_plus.cli import AmpSettings, _settings, build_parser, doctor, main
+from lightning_amp_plus.cli._runs import resolve_precision
+from lightning_amp_plus.cli.train import train
 
 # 32 images in batches of 8: 4 steps an epoch, on a CNN of a few hundred parameters.
 TINY_CNN = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
@@ -46,7 +46,8 @@ def run_command(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess
 @pytest.fixture
 def no_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make starting a command's work fail the test: what is refused must be refused before it."""
-    from lightning_amp_plus import _train, compare
+    from lightning_amp_plus.cli import compare
+    from lightning_amp_plus.cli import train as _train
 
     def started(*args: object) -> None:
         raise AssertionError("the command started its work before refusing the request")

@@ -13,11 +13,11 @@ import torch
 from helpers import usage_error
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_amp_plus import cli, compare, doctor
-from lightning_amp_plus._configs import COMPARE_DEFAULT, SETUPS
-from lightning_amp_plus._runs import build_datamodule, build_model
-from lightning_amp_plus.cli import main
-from lightning_amp_plus.compare import RunSpec, StepTimer, run_config_isolated
+from lightning_amp_plus import cli
+from lightning_amp_plus.cli import compare, doctor, main
+from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus.cli._runs import build_datamodule, build_model
+from lightning_amp_plus.cli.compare import RunSpec, StepTimer, run_config_isolated
 
 TINY = ["--num-train", "24", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 CONFIGS = ["32-true", "lightning-bf16-mixed", "ours-bf16-mixed", "lightning-16-mixed", "ours-16-mixed"]

@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from lightning_amp_plus import doctor
-from lightning_amp_plus.cli import main
-from lightning_amp_plus.doctor import DeviceReport, autocast_supported, matmul_tflops, recommend, report_dict
+from lightning_amp_plus.cli import doctor, main
+from lightning_amp_plus.cli.doctor import DeviceReport, autocast_supported, matmul_tflops, recommend, report_dict
 
 BOTH = {"float16": True, "bfloat16": True}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_amp_plus._grads import _PIECE, clip_by_norm_, measure, nonfinite_names, unscale_and_measure_
+from lightning_amp_plus.numerics.grads import _PIECE, clip_by_norm_, measure, nonfinite_names, unscale_and_measure_
 
 CPU = torch.device("cpu")
 

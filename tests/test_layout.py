@@ -1,4 +1,9 @@
-"""Architecture rules that keep the numerics usable without Lightning."""
+"""Architecture rules: the folders say the layering, and the imports follow it.
+
+Layers, bottom up: ``numerics/`` (torch only: a training loop without Lightning can use it), the Lightning layer
+(``precision``, ``monitor``, ``report``, ``models``, ``data``, ``_memory``), the applications (``cli/``). A module
+imports only from its own layer or below, and the package's imports have no cycle.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +15,13 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
-NUMERICS = [
-    "scaler.py",
-    "_grads.py",
-    "_policy.py",
-    "_device_policy.py",
-    "_outcome.py",
-    "_scaler_args.py",
-    "_schedulers.py",
-    "_master.py",
-    "_float32.py",
-]
 ALL_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
+NUMERICS = [m for m in ALL_MODULES if m.startswith("numerics/")]
+LAYERS = {"numerics": 0, "lightning": 1, "cli": 2}
+
+
+def _is_module_file(dotted: str) -> bool:
+    return (PACKAGE.parent / dotted.replace(".", "/")).with_suffix(".py").exists()
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -31,8 +31,40 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
+            # `from lightning_amp_plus.cli import doctor` imports the submodule, not (only) the package's names.
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            found = {
+                name for name in submodules if (PACKAGE.parent / name.replace(".", "/")).with_suffix(".py").exists()
+            }
+            names.update(found or {node.module})
     return names
+
+
+def module_name(relative: str) -> str:
+    parts = ["lightning_amp_plus", *Path(relative).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(m): m for m in ALL_MODULES}
+
+
+def layer(name: str) -> int | None:
+    """The layer of a package module (``None`` for the package itself, whose ``__init__`` only names the API)."""
+    parts = name.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return None
+    return LAYERS.get(parts[1], LAYERS["lightning"])
+
+
+def package_imports(name: str) -> set[str]:
+    """The package modules ``name`` imports (the package's ``__init__`` imports its public names lazily, on first use:
+    an edge to it is none)."""
+    imported = imported_modules(PACKAGE / MODULES[name]) - {"lightning_amp_plus"}
+    return {m for m in imported if m in MODULES and m != name}
+
+
+def test_the_numerics_folder_holds_the_scaler_the_policies_the_gradient_passes_and_master_weights() -> None:
+    assert {"numerics/scaler.py", "numerics/policy.py", "numerics/grads.py", "numerics/master.py"} <= set(NUMERICS)
 
 
 @pytest.mark.parametrize("module", NUMERICS)
@@ -41,6 +73,33 @@ def test_numerics_modules_import_no_lightning(module: str) -> None:
         name for name in imported_modules(PACKAGE / module) if name.split(".")[0] in ("lightning", "pytorch_lightning")
     }
     assert not offending, f"{module} imports {offending}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_imports_point_only_downward(name: str) -> None:
+    own = layer(name)
+    if own is None:
+        return
+    upward = {m for m in package_imports(name) if (layer(m) or 0) > own}
+    assert not upward, f"{name} (layer {own}) imports {upward} from a layer above"
+
+
+def test_the_package_imports_have_no_cycle() -> None:
+    graph = {name: package_imports(name) for name in MODULES}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for child in sorted(graph[node]):
+            if state.get(child) == 1:
+                pytest.fail(f"import cycle: {' -> '.join([*path[path.index(child) :], child])}")
+            if child not in state:
+                visit(child, [*path, child])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
 
 
 @pytest.mark.parametrize("module", ALL_MODULES)
@@ -63,7 +122,7 @@ sys.meta_path.insert(0, Refuse())
 pkg = types.ModuleType('lightning_amp_plus'); pkg.__path__ = [{str(PACKAGE)!r}]
 sys.modules['lightning_amp_plus'] = pkg
 import torch
-from lightning_amp_plus.scaler import DynamicLossScaler
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.5)
 s = DynamicLossScaler(init_scale=4.0)
 s.scale(w.sum()).backward(); s.step(opt); s.update()

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
-from lightning_amp_plus._master import HalfCopies, default_half_modules, managed_parameters
+from lightning_amp_plus.numerics.master import HalfCopies, default_half_modules, managed_parameters
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),

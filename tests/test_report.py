@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_amp_plus.compare import ConfigResult
+from lightning_amp_plus.cli.compare import ConfigResult
 from lightning_amp_plus.report import (
     AmpHistory,
     StepRecord,

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus._policy import ScalePolicy
+from lightning_amp_plus.numerics.policy import ScalePolicy
 
 F32_TINY = 2.0**-126  # the smallest normal float32
 F32_MAX = (2.0 - 2.0**-23) * 2.0**127

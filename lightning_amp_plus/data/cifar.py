@@ -20,8 +20,8 @@ from torchvision import transforms
 from torchvision.datasets import CIFAR10
 from typing_extensions import override
 
-from lightning_amp_plus._args import check_int
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset, file_md5
+from lightning_amp_plus.numerics.checks import check_int
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "DatasetUnavailableError"]
 

@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from lightning_amp_plus._args import check_int
 from lightning_amp_plus.data._collate import pad_collate
+from lightning_amp_plus.numerics.checks import check_int
 
 __all__ = [
     "CIFAR10_MEAN",

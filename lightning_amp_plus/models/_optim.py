@@ -1,8 +1,8 @@
 """The configuration the shipped models share: optimizer and LR-schedule choices, and their argument checks.
 
 ``configure_optimizers`` of each model calls :func:`configure`; the argument checks run in the models' constructors
-(:func:`check_optim_args`, :func:`check_dropout`, and ``lightning_amp_plus._args.check_int``), so that a bad choice
-fails when the model is built, not when ``fit`` starts.
+(:func:`check_optim_args`, :func:`check_dropout`, and ``lightning_amp_plus.numerics.checks.check_int``), so that a bad
+choice fails when the model is built, not when ``fit`` starts.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class StepOutcome:
     says whether that read has happened, :attr:`ready` whether it would wait at all.
 
     Example:
-        >>> from lightning_amp_plus.scaler import DynamicLossScaler
+        >>> from lightning_amp_plus.numerics.scaler import DynamicLossScaler
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1, fused=True)
         >>> scaler = DynamicLossScaler(init_scale=8.0)
         >>> scaler.scale(w.sum() * float("inf")).backward(); _ = scaler.step(opt); scaler.update()

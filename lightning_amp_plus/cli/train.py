@@ -18,8 +18,9 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from lightning_amp_plus import report
-from lightning_amp_plus._checks import RunFailed, UsageError, plural
-from lightning_amp_plus._runs import (
+from lightning_amp_plus._wording import plural
+from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._runs import (
     build_model,
     check_devices,
     example_input,
@@ -29,7 +30,7 @@ from lightning_amp_plus._runs import (
     resolve_accelerator,
     resolve_precision,
 )
-from lightning_amp_plus._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
+from lightning_amp_plus.cli._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
 from lightning_amp_plus.monitor import MixedPrecisionMonitor
 from lightning_amp_plus.precision import MixedPrecisionPlugin
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._float32 import f32
+from lightning_amp_plus.numerics.float32 import f32
 
 __all__ = ["clip_by_norm_", "measure", "nonfinite_names", "unscale_and_measure_"]
 

@@ -62,8 +62,8 @@ class PrecisionSetup:
             if self.precision == "16-mixed" and options:
                 scaler = torch.amp.GradScaler(device, **options)
             return {"plugins": [MixedPrecision(self.precision, device, scaler=scaler)]}
+        from lightning_amp_plus.numerics.scaler import DynamicLossScaler
         from lightning_amp_plus.precision import MixedPrecisionPlugin
-        from lightning_amp_plus.scaler import DynamicLossScaler
 
         ours = DynamicLossScaler(**options) if self.precision == "16-mixed" and options else None
         plugin = MixedPrecisionPlugin(self.precision, device, ours, master_weights=self.master_weights)

@@ -19,9 +19,9 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_amp_plus import data as datasets
-from lightning_amp_plus import doctor
-from lightning_amp_plus._checks import UsageError
-from lightning_amp_plus._settings import PrecisionName, Task
+from lightning_amp_plus.cli import doctor
+from lightning_amp_plus.cli._checks import UsageError
+from lightning_amp_plus.cli._settings import PrecisionName, Task
 from lightning_amp_plus.data._download import DatasetUnavailableError
 from lightning_amp_plus.models import CifarCNN, ImdbLSTM
 

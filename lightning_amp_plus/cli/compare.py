@@ -9,7 +9,7 @@ optimizer steps, then validates once:
 * ``ours-16-mixed-master``, ``ours-bf16-mixed-master``: the same with ``master_weights=True``.
 * ``lightning-bf16-true`` (only when named in ``--configs``): Lightning's ``precision="bf16-true"``, weights in bf16.
 
-The set-ups are the table in :mod:`lightning_amp_plus._configs`, which ``benchmarks/bench_master.py`` reads too.
+The set-ups are the table in :mod:`lightning_amp_plus.cli._configs`, which ``benchmarks/bench_master.py`` reads too.
 
 Measured per configuration: the median step time after warm-up (a callback times each training batch, from
 ``on_train_batch_start`` to ``on_train_batch_end``, synchronising CUDA at both ends: forward, backward and optimizer
@@ -17,7 +17,7 @@ step, no data loading), the peak memory (CUDA: ``torch.cuda.max_memory_allocated
 the peak resident set size, in a fresh process per configuration), the final training loss (mean of the last steps),
 the validation accuracy and the skipped steps.
 
-Run a configuration in a fresh process with ``python -m lightning_amp_plus.compare SPEC.json RESULT.json`` (what
+Run a configuration in a fresh process with ``python -m lightning_amp_plus.cli.compare SPEC.json RESULT.json`` (what
 ``amp-plus compare`` does on CPU).
 """
 
@@ -47,9 +47,10 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_amp_plus import _memory, report
-from lightning_amp_plus._checks import RunFailed, UsageError, plural
-from lightning_amp_plus._configs import SETUPS, PrecisionSetup
-from lightning_amp_plus._runs import (
+from lightning_amp_plus._wording import plural
+from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
+from lightning_amp_plus.cli._runs import (
     build_datamodule,
     build_model,
     interruptible,
@@ -58,7 +59,7 @@ from lightning_amp_plus._runs import (
     resolve_accelerator,
     resolve_precision,
 )
-from lightning_amp_plus._settings import model_hparams, train_settings
+from lightning_amp_plus.cli._settings import model_hparams, train_settings
 from lightning_amp_plus.precision import MixedPrecisionPlugin
 
 __all__ = [
@@ -78,7 +79,7 @@ __all__ = [
 
 
 Config = PrecisionSetup
-"""One set-up to compare (the table in :mod:`lightning_amp_plus._configs`, shared with ``benchmarks/``)."""
+"""One set-up to compare (the table in :mod:`lightning_amp_plus.cli._configs`, shared with ``benchmarks/``)."""
 CONFIGS: dict[str, PrecisionSetup] = SETUPS
 """Every set-up ``--configs`` accepts, by name.
 
@@ -302,14 +303,14 @@ def _trainer(spec: RunSpec, config: PrecisionSetup, timer: StepTimer) -> pl.Trai
 
 
 def run_config_isolated(spec: RunSpec) -> ConfigResult:
-    """Run one configuration in a fresh Python process (``python -m lightning_amp_plus.compare``) and read its result.
+    """Run one configuration in a fresh process (``python -m lightning_amp_plus.cli.compare``) and read its result.
 
     A fresh process per configuration makes the CPU peak-memory reading that configuration's alone.
     """
     with tempfile.TemporaryDirectory(prefix="amp-plus-compare-") as folder:
         spec_path, result_path = Path(folder) / "spec.json", Path(folder) / "result.json"
         spec_path.write_text(json.dumps(asdict(spec)))
-        command = [sys.executable, "-m", "lightning_amp_plus.compare", str(spec_path), str(result_path)]
+        command = [sys.executable, "-m", "lightning_amp_plus.cli.compare", str(spec_path), str(result_path)]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode in (_INTERRUPTED, -signal.SIGINT):
             raise KeyboardInterrupt  # Ctrl-C reached the worker (as it does from a terminal)
@@ -520,7 +521,7 @@ def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer
 
 
 def _worker(argv: list[str]) -> None:
-    """``python -m lightning_amp_plus.compare SPEC.json RESULT.json``: run one configuration, write its result."""
+    """``python -m lightning_amp_plus.cli.compare SPEC.json RESULT.json``: run one configuration, write its result."""
     spec_path, result_path = argv
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     try:

@@ -3,10 +3,12 @@
 Subcommands:
 
 * ``train cnn|lstm``: train a shipped model under ``MixedPrecisionPlugin`` with ``MixedPrecisionMonitor`` attached:
-  offline on synthetic data by default, on real CIFAR-10 / IMDB with ``--data real`` (:mod:`lightning_amp_plus._train`).
+  offline on synthetic data by default, on real CIFAR-10 / IMDB with ``--data real``
+  (:mod:`lightning_amp_plus.cli.train`).
 * ``compare cnn|lstm``: the same model from the same seed under 32-true, Lightning's ``MixedPrecision`` and ours
-  (:mod:`lightning_amp_plus.compare`).
-* ``doctor``: what this machine supports and how fast, and the recommended settings (:mod:`lightning_amp_plus.doctor`).
+  (:mod:`lightning_amp_plus.cli.compare`).
+* ``doctor``: what this machine supports and how fast, and the recommended settings
+  (:mod:`lightning_amp_plus.cli.doctor`).
 
 Everything a request can get wrong is checked before any work starts, most of it before torch and Lightning are even
 imported (so ``--help`` and a mistyped flag answer at once): :func:`main` prints one paragraph on stderr and exits with
@@ -22,19 +24,10 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from lightning_amp_plus._checks import (
-    LR_MAX,
-    SEED_MAX,
-    RunFailed,
-    UsageError,
-    check_data_dir,
-    check_output_dir,
-    check_output_file,
-    float_in,
-    int_in,
-)
-from lightning_amp_plus._configs import COMPARE_DEFAULT, SETUPS
-from lightning_amp_plus._settings import (
+from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
+from lightning_amp_plus.cli._checks import LR_MAX, SEED_MAX, RunFailed, UsageError, float_in, int_in
+from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus.cli._settings import (
     PRECISIONS,
     SCALER_MAX_SCALE,
     SCALER_MIN_SCALE,
@@ -44,7 +37,7 @@ from lightning_amp_plus._settings import (
     train_settings,
 )
 
-__all__ = ["AmpSettings", "UsageError", "build_parser", "main"]
+__all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "main"]
 
 PROG = "amp-plus"
 INTERRUPTED = 130
@@ -226,7 +219,7 @@ def check_request(args: argparse.Namespace) -> None:
         >>> check_request(build_parser().parse_args(["train", "--report", "amp.txt"]))
         Traceback (most recent call last):
         ...
-        lightning_amp_plus._checks.UsageError: --report amp.txt: the chart is written as .png, so the path must end in .png, e.g. amp.png.
+        lightning_amp_plus.cli._checks.UsageError: --report amp.txt: the chart is written as .png, so the path must end in .png, e.g. amp.png.
     """  # noqa: E501
     try:
         _check_request(args)
@@ -319,15 +312,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(args: argparse.Namespace) -> None:
     # Imported here, not at the top: torch and Lightning take seconds to import, which --help should not wait for.
     if args.command == "train":
-        from lightning_amp_plus import _train
+        from lightning_amp_plus.cli import train as _train
 
         _train.train(args)
     elif args.command == "compare":
-        from lightning_amp_plus import compare
+        from lightning_amp_plus.cli import compare
 
         compare.run(args)
     else:
-        from lightning_amp_plus import doctor
+        from lightning_amp_plus.cli import doctor
 
         data = doctor.report_dict(doctor.collect(benchmark=not args.no_benchmark))
         print(json.dumps(data, indent=2) if args.json else doctor.format_report(data))

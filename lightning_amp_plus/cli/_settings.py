@@ -11,8 +11,8 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from lightning_amp_plus._args import check_int
-from lightning_amp_plus._checks import number
+from lightning_amp_plus._wording import number
+from lightning_amp_plus.numerics.checks import check_int
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -202,8 +202,8 @@ class AmpSettings:
         """The Trainer's ``plugins``: ``[MixedPrecisionPlugin(...)]``, or ``[]`` for ``32-true``."""
         if self.precision == "32-true":
             return []
+        from lightning_amp_plus.numerics.scaler import DynamicLossScaler
         from lightning_amp_plus.precision import MixedPrecisionPlugin
-        from lightning_amp_plus.scaler import DynamicLossScaler
 
         # 0 means "never stop" on the command line, where None cannot be typed.
         limit = 50 if self.max_consecutive_skips is None else (self.max_consecutive_skips or None)

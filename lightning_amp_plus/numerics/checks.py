@@ -1,7 +1,10 @@
-"""Checks of ``DynamicLossScaler``'s arguments and of the states it loads: clear errors naming the key and the value.
+"""The package's one set of argument checks: clear errors naming the argument (or state key), the value and the fix.
 
-Numbers are checked without ever raising a bare ``OverflowError`` (``float(10**400)`` does): a value too large for a
-float is reported as out of range, with the argument or key it came from.
+Used by the scaler (its arguments and the states it loads), the plugin, the monitor, the shipped models and data
+modules, and the command line's checks (which is why torch is imported only where a tensor may be met). One rule each:
+an int is any integral number but a bool (NumPy ints included), a real number is finite and not a bool. Numbers are
+checked without ever raising a bare ``OverflowError`` (``float(10**400)`` does): a value too large for a float is
+reported as out of range, with the argument or key it came from.
 """
 
 from __future__ import annotations
@@ -11,9 +14,18 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor
-
-__all__ = ["COUNTER_MAX", "TRACKER_MAX", "is_int", "real", "read_count", "read_number", "require", "show"]
+__all__ = [
+    "COUNTER_MAX",
+    "TRACKER_MAX",
+    "check_bool",
+    "check_int",
+    "is_int",
+    "real",
+    "read_count",
+    "read_number",
+    "require",
+    "show",
+]
 
 # Counters in a state above this are corrupt, not large: 2**62 optimizer steps would take longer than the universe.
 COUNTER_MAX = 2**62
@@ -75,6 +87,8 @@ def read_number(state: Mapping[str, Any], key: str, kind: type[int] | type[float
             raise ValueError(f"The scaler state has no {key!r} key.")
         return kind(default)
     value = state[key]
+    from torch import Tensor  # here, not at the top: the command line's checks import this module without torch
+
     if isinstance(value, Tensor) and value.numel() == 1:
         value = value.item()
     valid = is_int(value) if kind is int else isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -101,3 +115,29 @@ def read_count(state: Mapping[str, Any], key: str, default: int, limit: int = CO
             "state is corrupt. Remove it to start with a fresh scaler."
         )
     return value
+
+
+def check_int(owner: str, name: str, value: object, minimum: int) -> None:
+    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``; ``owner`` names the class in the message.
+
+    Example:
+        >>> check_int("CifarCNN", "width", 0, minimum=1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `CifarCNN(width=0)` must be an int >= 1.
+    """
+    if not is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
+        raise ValueError(f"`{owner}({name}={show(value)})` must be an int >= {minimum}.")
+
+
+def check_bool(owner: str, name: str, value: object) -> None:
+    """Raise ``TypeError`` unless ``value`` is ``True`` or ``False`` (a string such as ``"no"`` would read as true).
+
+    Example:
+        >>> check_bool("MixedPrecisionPlugin", "master_weights", "false")
+        Traceback (most recent call last):
+        ...
+        TypeError: `MixedPrecisionPlugin(master_weights='false')` must be True or False, not a str.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"`{owner}({name}={show(value)})` must be True or False, not a {type(value).__name__}.")

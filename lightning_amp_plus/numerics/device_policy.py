@@ -2,7 +2,7 @@
 
 On the fused-optimizer path the step's overflow flag is a device tensor handed to the optimizer, and reading it on the
 host would stall the device every step. The next ``scale()`` still needs the next scale on the device, so the rules of
-:class:`~lightning_amp_plus._policy.ScalePolicy` run there too, as a table lookup: the flag and the two trackers are
+:class:`~.policy.ScalePolicy` run there too, as a table lookup: the flag and the two trackers are
 compared against thresholds, the three bits pick one of the policy's four transitions from a small table, and one
 multiply-add applies it (about ten tiny kernels, no host read, no branch). The host replays the same rules from the
 flags when it reads them (see ``DynamicLossScaler``), and both give the same numbers bit for bit: the trackers are
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_amp_plus._policy import ScalePolicy
+from lightning_amp_plus.numerics.policy import ScalePolicy
 
 __all__ = ["DevicePolicy"]
 

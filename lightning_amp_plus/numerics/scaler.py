@@ -1,8 +1,8 @@
 """``DynamicLossScaler``: dynamic loss scaling written from scratch, usable with or without Lightning.
 
-The scale policy lives in :mod:`lightning_amp_plus._policy` (host) and :mod:`lightning_amp_plus._device_policy`
-(device), the passes over gradients in :mod:`lightning_amp_plus._grads`, the per-step record and its lazy public view
-in :mod:`lightning_amp_plus._outcome`; this module ties them to optimizers with ``torch.amp.GradScaler``'s API.
+The scale policy lives in :mod:`~.policy` (host) and :mod:`~.device_policy` (device), the passes over gradients in
+:mod:`~.grads`, the per-step record and its lazy public view in :mod:`~.outcome` (all in
+``lightning_amp_plus.numerics``); this module ties them to optimizers with ``torch.amp.GradScaler``'s API.
 """
 
 from __future__ import annotations
@@ -18,12 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_amp_plus._device_policy import DevicePolicy
-from lightning_amp_plus._float32 import f32
-from lightning_amp_plus._grads import clip_by_norm_, measure, unscale_and_measure_
-from lightning_amp_plus._outcome import StepOutcome, StepRecord
-from lightning_amp_plus._policy import ScalePolicy
-from lightning_amp_plus._scaler_args import (
+from lightning_amp_plus.numerics.checks import (
     TRACKER_MAX,
     is_int,
     read_count,
@@ -32,6 +27,11 @@ from lightning_amp_plus._scaler_args import (
     require,
     show,
 )
+from lightning_amp_plus.numerics.device_policy import DevicePolicy
+from lightning_amp_plus.numerics.float32 import f32
+from lightning_amp_plus.numerics.grads import clip_by_norm_, measure, unscale_and_measure_
+from lightning_amp_plus.numerics.outcome import StepOutcome, StepRecord
+from lightning_amp_plus.numerics.policy import ScalePolicy
 
 __all__ = ["DynamicLossScaler", "StepOutcome"]
 
