@@ -151,7 +151,7 @@ def full_parameters(trainer: pl.Trainer, model: pl.LightningModule) -> list[Tens
     if isinstance(wrapped, FullyShardedDataParallel):
         with FullyShardedDataParallel.summon_full_params(wrapped, writeback=False):
             return [p.detach().clone() for p in model.parameters()]
-    return [p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
+    return [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach().clone() for p in model.parameters()]
 
 
 def local_view(t: Tensor) -> Tensor:
