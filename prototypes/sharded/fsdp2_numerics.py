@@ -15,8 +15,12 @@ Answers, with numbers, what the scaler's unscale / measure / clip pass must do w
   parameters (the masters), half compute, FP32 sharded gradients; a scaled fp16 backward that overflows arrives as
   inf in the FP32 shards and is caught by the same SUM.
 * ``autocast_fp16``: fp16 autocast over FP32 parameters under FSDP2 (what ``MixedPrecisionPlugin`` does today).
+* ``fused_adam``: the fused path: ``Adam(fused=True)`` over DTensor parameters accepts plain ``grad_scale`` and
+  ``found_inf`` tensors: bit-identical to unscale-then-step, untouched when ``found_inf`` is 1.
 * ``replicated_and_sharded``: a model with a sharded part and a replicated (plain tensor, all-reduced) part: the
   replicated part's squared norm must be counted once, not once per rank.
+* ``fsdp1_hybrid`` (4 ranks): the same for FSDP1 ``HYBRID_SHARD``: flat-parameter shards are replicated
+  ``world / process_group.size()`` times; divide by that.
 * ``hsdp`` (4 ranks): a 2-D mesh (replicate x shard, HSDP): summing over the shard group gives the norm but leaves an
   inf on one replica unseen by the other; summing over the world counts every element twice; the weighted world SUM
   (each rank's local squared norm divided by the number of ranks holding that element) gives the norm and a flag
@@ -42,7 +46,7 @@ import torch.nn.functional as F
 from launch import run_pool, scenario
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy, ShardingStrategy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from lightning_amp_plus._grads import unscale_and_measure_
@@ -325,6 +329,35 @@ def autocast_fp16_scenario(out: Path) -> dict[str, Any]:
     }
 
 
+def fused_adam_scenario(out: Path) -> dict[str, Any]:
+    """The fused path: ``Adam(fused=True)`` over DTensor parameters, handed ``grad_scale`` / ``found_inf`` tensors."""
+    results: dict[str, Any] = {}
+    for found_inf in (0.0, 1.0):
+        net = sharded_backward(mesh_1d(), scale=SCALE)
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.01, fused=True)
+        before = [local(p).detach().clone() for p in net.parameters()]
+        # What a scaler sets for a fused optimizer: plain (not DTensor) tensors; found_inf would come from the
+        # all-reduced squared norm, on the device, with no host read.
+        optimizer.grad_scale = torch.tensor(SCALE)  # type: ignore[attr-defined]
+        optimizer.found_inf = torch.tensor(found_inf)  # type: ignore[attr-defined]
+        optimizer.step()
+        after = [local(p).detach().clone() for p in net.parameters()]
+        # The reference: unscale the local shards by hand, then a plain fused step (or none when skipping).
+        twin = sharded_backward(mesh_1d(), scale=SCALE)
+        torch._foreach_mul_([g.to_local() for g in grads_of(twin)], 1.0 / SCALE)
+        twin_optimizer = torch.optim.Adam(twin.parameters(), lr=0.01, fused=True)
+        if not found_inf:
+            twin_optimizer.step()
+        reference = [local(p).detach().clone() for p in twin.parameters()]
+        results["skip" if found_inf else "step"] = {
+            "moved": any(not torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+            "vs_unscale_then_step": max(
+                float((a - b).abs().max()) if a.numel() else 0.0 for a, b in zip(after, reference, strict=True)
+            ),
+        }
+    return results
+
+
 def replicated_and_sharded_scenario(out: Path) -> dict[str, Any]:
     """net[0] stays a plain (replicated) layer, its gradient all-reduced by hand as DDP would; the rest is sharded."""
     world = dist.get_world_size()
@@ -367,6 +400,34 @@ def hsdp_scenario(out: Path) -> dict[str, Any]:
     return results
 
 
+def fsdp1_hybrid_scenario(out: Path) -> dict[str, Any]:
+    """4 ranks, FSDP1 HYBRID_SHARD over a (replicate=2, shard=2) mesh: flat-parameter shards replicated twice."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = FullyShardedDataParallel(
+        make_net(),
+        device_id=torch.device("cpu"),
+        sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+        device_mesh=mesh,
+        use_orig_params=True,
+    )
+    loss_of(net, dist.get_rank()).backward()
+    shards = [p.grad for p in net.parameters() if p.grad is not None]
+    shard_group_size = net.process_group.size()  # the group a flat parameter is sharded over
+    replicas = dist.get_world_size() // shard_group_size
+    squared = torch.stack([torch.dot(g.reshape(-1), g.reshape(-1)) for g in shards]).sum()
+    weighted = squared / replicas
+    dist.all_reduce(weighted)
+    unweighted = squared.clone()
+    dist.all_reduce(unweighted)
+    return {
+        "shard_group_size": shard_group_size,
+        "replicas": replicas,
+        "weighted_world_sum": float(weighted.sqrt()),
+        "world_sum": float(unweighted.sqrt()),
+        "reference_f64": f64_norm(reference_grads(dist.get_world_size())),
+    }
+
+
 TWO_RANKS = {
     "grads": grads_scenario,
     "overflow": overflow_scenario,
@@ -376,9 +437,10 @@ TWO_RANKS = {
     "policy_fp16": policy_fp16_scenario,
     "policy_bf16": policy_bf16_scenario,
     "autocast_fp16": autocast_fp16_scenario,
+    "fused_adam": fused_adam_scenario,
     "replicated_and_sharded": replicated_and_sharded_scenario,
 }
-FOUR_RANKS = {"hsdp": hsdp_scenario}
+FOUR_RANKS = {"hsdp": hsdp_scenario, "fsdp1_hybrid": fsdp1_hybrid_scenario}
 
 
 # --------------------------------------------------------------------------------------------- checks
@@ -433,6 +495,12 @@ def check_two(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     assert a0["output_dtype"] == "torch.float16" and a0["grad_dtypes"] == ["torch.float32"]
     table["autocast fp16 over fp32 DTensor params: norm vs fp32 (rel)"] = rel(a0["norm"], a0["reference_f64"])
 
+    f0, _ = scenario(ranks, "fused_adam")
+    assert f0["step"]["moved"] and not f0["skip"]["moved"]
+    assert f0["step"]["vs_unscale_then_step"] == 0 and f0["skip"]["vs_unscale_then_step"] == 0
+    table["fused Adam on DTensors with grad_scale: vs unscale-then-step (max abs)"] = f0["step"]["vs_unscale_then_step"]
+    table["fused Adam on DTensors with found_inf=1: parameters moved"] = f0["skip"]["moved"]
+
     m0, _ = scenario(ranks, "replicated_and_sharded")
     assert m0["types"][:2] == ["Tensor", "Tensor"] and set(m0["types"][2:]) == {"DTensor"}
     table["replicated+sharded: weighted vs single process (rel)"] = rel(m0["weighted"], m0["reference_f64"])
@@ -461,6 +529,13 @@ def check_four(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     assert table["hsdp: inf on rank 3, shard-group SUM finite on ranks"] == [0, 1]
     assert table["hsdp: inf on rank 3, weighted world SUM finite on ranks"] == []
+    hybrid = scenario(ranks, "fsdp1_hybrid")[0]
+    assert hybrid["shard_group_size"] == 2 and hybrid["replicas"] == 2
+    table["fsdp1 HYBRID_SHARD: weighted world SUM vs single process (rel)"] = rel(
+        hybrid["weighted_world_sum"], hybrid["reference_f64"]
+    )
+    table["fsdp1 HYBRID_SHARD: world SUM / norm"] = hybrid["world_sum"] / hybrid["reference_f64"]
+    assert rel(hybrid["weighted_world_sum"], hybrid["reference_f64"]) < 1e-6
     return table
 
 

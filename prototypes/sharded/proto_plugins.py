@@ -229,9 +229,9 @@ class ProtoFSDPPrecision(_ShardedCore, FSDPPrecision):
         strategy = root.sharding_strategy
         if strategy == ShardingStrategy.NO_SHARD:
             return dist.get_world_size()
-        if strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2):
-            raise NotImplementedError("HYBRID_SHARD: divide by the size of the replicate group")
-        return 1
+        # FULL_SHARD / SHARD_GRAD_OP: the shard group is the world (1 replica); HYBRID_SHARD: the shard group is a
+        # node, replicated world / its size times (checked on 4 CPU ranks in fsdp2_numerics.py).
+        return dist.get_world_size() // root.process_group.size()
 
     def forward_context(self) -> Any:
         return self._autocast()
