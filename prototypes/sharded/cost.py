@@ -45,8 +45,10 @@ from launch import WORLD, run_pool, scenario
 from lightning.pytorch.strategies import ModelParallelStrategy
 from proto_plugins import ProtoFSDPPrecision, ProtoModelParallelPrecision, local_view
 from torch import Tensor, nn
+from torch._C._profiler import _EventType
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.profiler import ProfilerActivity, profile
+from torch.profiler._memory_profiler import OpTree
 
 from lightning_amp_plus import MixedPrecisionPlugin
 
@@ -142,11 +144,20 @@ class Meter(pl.Callback):
 
 
 def peak_allocated(prof: profile) -> int:
-    """The highest sum of bytes allocated minus freed since the profiler started, in time order."""
-    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+    """The highest sum of bytes allocated minus freed since the profiler started, in time order.
+
+    Read from the profiler's allocation events themselves (a private but stable reader, the one torch's memory
+    timeline uses): the ``self_cpu_memory_usage`` of ops is no good here, because an op that encloses others (Lightning
+    runs the whole closure inside ``Adam.step``) carries the frees of its children's tensors at its own start time.
+    """
+    allocations = sorted(
+        (event.start_time_ns, event.typed[1].alloc_size)
+        for event in OpTree(prof.profiler.kineto_results).dfs()
+        if event.typed[0] == _EventType.Allocation
+    )
     current = peak = 0
-    for event in events:
-        current += event.self_cpu_memory_usage
+    for _, size in allocations:
+        current += size
         peak = max(peak, current)
     return peak
 

@@ -127,6 +127,9 @@ class _ShardedCore:
             optimizer.step(**kwargs)
         if self.policy is not None:
             self.policy.update(self.last_step_skipped)
+        # Hold no gradient past the step: Lightning frees them (zero_grad(set_to_none=True)) before the next backward,
+        # and a reference kept here would keep a second set alive while the next one is computed.
+        self._grads = []
         return closure_result
 
     def _clip_by_norm(self, clip_val: float) -> None:
@@ -145,7 +148,10 @@ class _ShardedCore:
 
     @contextmanager
     def _autocast(self) -> Iterator[None]:
-        with torch.autocast(self.device_type, dtype=self.half):
+        # cache_enabled=False, as the package and Lightning do. Under FSDP it also matters for memory: the cast cache
+        # keeps each unsharded weight's half copy (and so the unsharded weight) alive until the forward ends, which
+        # undoes the resharding after each layer (measured with cost.py: about +8 MB per rank on a 2.1M model).
+        with torch.autocast(self.device_type, dtype=self.half, cache_enabled=False):
             yield
 
 
