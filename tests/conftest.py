@@ -1,4 +1,4 @@
-"""Shared test set-up: the CUDA marker and quiet, deterministic runs."""
+"""Shared test set-up: the CUDA and slow markers and quiet, deterministic runs."""
 
 from __future__ import annotations
 
@@ -9,13 +9,22 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow", action="store_true", default=False, help="also run the tests marked slow (multi-process pools)"
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["cuda"] = pytest.mark.skip(reason="needs a CUDA device; this machine has none")
+    if not config.getoption("--run-slow"):
+        skips["slow"] = pytest.mark.skip(reason="slow (starts a pool of processes): run with --run-slow")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        for keyword, skip in skips.items():
+            if item.get_closest_marker(keyword) is not None:
+                item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -15,17 +15,11 @@ hook the plugin registers, by the all-reduces that hook makes).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
-import logging
-import os
-import socket
-import time
-import traceback
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +27,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import FP16_ON_CPU_WARNING, INF, PRECISIONS, TinyRegressor, loader, make_net, make_trainer, mse, step_batch
+from launch import WORLD, destroy_process_group, free_port, run_pool, scenario
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
 from torch import Tensor
@@ -49,18 +43,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable.*"),
 ]
 
-WORLD = 2
 FAULT_RANK = 1
 FAULT_STEP = 3
 STEPS = 8
 MODES = [(precision, master_weights) for precision in PRECISIONS for master_weights in (False, True)]
 HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 N_PARAMS = sum(p.numel() for p in make_net().parameters())
-# The pool takes about a minute on 2 busy cores, nearly all of it the two processes importing torch and Lightning
-# (the scenarios themselves take ~4 s); this only bounds a hang.
-POOL_TIMEOUT_S = 600
-# A collective that waits longer than this on one rank means the other rank failed: error out instead of hanging.
-COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -206,6 +194,18 @@ class Recorder(pl.Callback):
         }
 
 
+class DestroyProcessGroupAtExit(pl.Callback):
+    """In each ``ddp_spawn`` worker, destroy the process group when the worker's interpreter exits.
+
+    Lightning registers that at exit for NCCL only; with gloo a worker that exits right after its last collective
+    sometimes dies with SIGABRT while the interpreter finalizes (see :func:`launch.destroy_process_group`): 3 plain
+    ``ddp_spawn`` fits in about 100 on this 2-core machine. ``setup`` runs in the workers only, after the group exists.
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        atexit.register(destroy_process_group)
+
+
 # ----------------------------------------------------------------------------------------- the scenarios
 def ddp_fit(
     model: pl.LightningModule,
@@ -330,70 +330,9 @@ SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
 }
 
 
-def quiet_worker() -> None:
-    # Warnings and logs of worker processes do not reach pytest; silence them to keep the output readable.
-    warnings.simplefilter("ignore")
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    torch.set_num_threads(1)  # two processes on two cores: a second intra-op thread each only stalls
-
-
-def worker(rank: int, out_dir: str, port: int) -> None:
-    """One rank of the pool: run every scenario, then save the records to ``out_dir/rank{rank}.pt``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(WORLD),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),  # Lightning then takes the processes as launched externally (torchrun-style)
-        NODE_RANK="0",
-    )
-    quiet_worker()
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=COLLECTIVE_TIMEOUT)
-    out = Path(out_dir)
-    results: dict[str, Any] = {}
-    try:
-        for name, scenario in SCENARIOS.items():
-            started = time.perf_counter()
-            try:
-                results[name] = scenario(out)
-            except Exception:
-                results["error"] = f"scenario {name!r} failed on rank {rank}:\n{traceback.format_exc()}"
-                break  # the ranks may be out of step in their collectives now: run nothing more
-            results.setdefault("seconds", {})[name] = time.perf_counter() - started
-    finally:
-        torch.save(results, out / f"rank{rank}.pt")
-        dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_pool(out: Path) -> list[dict[str, Any]]:
-    context = mp.start_processes(worker, args=(str(out), free_port()), nprocs=WORLD, join=False, start_method="spawn")
-    deadline = time.monotonic() + POOL_TIMEOUT_S
-    while not context.join(timeout=2):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the DDP workers did not finish within {POOL_TIMEOUT_S} s")
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return run_pool(tmp_path_factory.mktemp("ddp"))
-
-
-def scenario(ranks: list[dict[str, Any]], name: str) -> tuple[Any, ...]:
-    """Each rank's record of one scenario (the test fails with the worker's traceback if it did not run)."""
-    for record in ranks:
-        if name not in record:
-            pytest.fail(record.get("error", f"scenario {name!r} did not run"))
-    return tuple(record[name] for record in ranks)
+    return run_pool(SCENARIOS, tmp_path_factory.mktemp("ddp"))
 
 
 # ----------------------------------------------------------------------------------------------- assertions
@@ -565,7 +504,7 @@ def test_ddp_spawn_pickles_the_plugin_and_every_rank_skips_together(
         strategy="ddp_spawn",
         max_steps=steps,
         max_epochs=-1,
-        callbacks=[Recorder(save_to=tmp_path)],
+        callbacks=[Recorder(save_to=tmp_path), DestroyProcessGroupAtExit()],
     )
     model = RankData()
     trainer.fit(model, loader(n=WORLD * 16 * 8, batch_size=8))
