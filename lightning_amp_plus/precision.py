@@ -24,6 +24,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus.numerics import schedulers as _schedulers
+from lightning_amp_plus.numerics.checks import check_bool, is_int, show
 from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 
@@ -31,7 +32,7 @@ __all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
 
 _PRECISIONS = ("16-mixed", "bf16-mixed")
 _FORMAT = "lightning_amp_plus/1"
-# Keys under which Lightning's own plugin (and Lightning before 2.2) stored a GradScaler state.
+# Keys under which Lightning's own plugin (and Lightning 1.x's native AMP) stored a GradScaler state.
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 # The largest counter a checkpoint may hold: more optimizer steps than any run takes, far below float precision limits.
 _MAX_COUNT = 2**62
@@ -178,7 +179,7 @@ class MixedPrecisionPlugin(Precision):
             ("master_weights", master_weights),
             ("fp32_grad_accumulation", fp32_grad_accumulation),
         ):
-            _check_bool(name, option, value)
+            check_bool(name, option, value)
         _check_skip_limit(name, max_consecutive_skips)
         _check_master_options(name, master_weights, half_modules, keep_fp32, fp32_grad_accumulation)
         self.precision = precision
@@ -736,18 +737,13 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _check_bool(name: str, option: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"`{name}({option}={value!r})` must be True or False, not a {type(value).__name__}.")
-
-
 def _check_skip_limit(name: str, value: object) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or int(value) < 1:  # type: ignore[call-overload]
         raise ValueError(
-            f"`{name}(max_consecutive_skips={value!r})` must be an int >= 1 (skipped steps in a row before training "
-            "stops with a diagnosis), or None to never stop."
+            f"`{name}(max_consecutive_skips={show(value)})` must be an int >= 1 (skipped steps in a row before "
+            "training stops with a diagnosis), or None to never stop."
         )
 
 
