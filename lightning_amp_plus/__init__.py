@@ -16,15 +16,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_amp_plus.fsdp import FSDPMixedPrecisionPlugin
     from lightning_amp_plus.monitor import MixedPrecisionMonitor
     from lightning_amp_plus.numerics.scaler import DynamicLossScaler
     from lightning_amp_plus.precision import MixedPrecisionPlugin
 
-__all__ = ["DynamicLossScaler", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
+__all__ = ["DynamicLossScaler", "FSDPMixedPrecisionPlugin", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
 __version__ = "0.1.0"
 
 _HOMES = {
     "DynamicLossScaler": "lightning_amp_plus.numerics.scaler",
+    "FSDPMixedPrecisionPlugin": "lightning_amp_plus.fsdp",
     "MixedPrecisionMonitor": "lightning_amp_plus.monitor",
     "MixedPrecisionPlugin": "lightning_amp_plus.precision",
 }

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_amp_plus import _memory
 from lightning_amp_plus.numerics.grads import nonfinite_names
+from lightning_amp_plus.numerics.sharding import local_view
 from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
@@ -333,10 +334,11 @@ class MixedPrecisionMonitor(Callback):
 
     def _save_debug(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str]) -> Path:
         path = Path(trainer.default_root_dir) / f"amp_nonfinite_step{trainer.global_step}.pt"
+        # On every rank: under FSDP the module's state_dict() is a collective; rank zero alone would wait forever.
+        state = {key: local_view(value).detach().cpu() for key, value in pl_module.state_dict().items()}
         if trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-            state = {key: value.detach().cpu() for key, value in pl_module.state_dict().items()}
-            grads = {n: p.grad.detach().cpu() for n, p in self._named if p.grad is not None}
+            grads = {n: local_view(p.grad).detach().cpu() for n, p in self._named if p.grad is not None}
             torch.save(
                 {
                     "global_step": trainer.global_step,

@@ -27,6 +27,7 @@ from lightning_amp_plus.numerics import schedulers as _schedulers
 from lightning_amp_plus.numerics.checks import check_bool, is_int, show
 from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
 
 __all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
 
@@ -289,6 +290,18 @@ class MixedPrecisionPlugin(Precision):
         return self._steps_taken
 
     @property
+    def mp_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for master weights under ``ModelParallelStrategy``: FP32 shards, half math.
+
+        Pass it to ``fully_shard(..., mp_policy=self.trainer.precision_plugin.mp_policy)`` in ``configure_model``:
+        the FP32 sharded parameters are then the masters the optimizer steps, the forward and backward run on
+        all-gathered half copies, and the gradients are reduce-scattered in FP32.
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
+
+    @property
     def half_dtype(self) -> torch.dtype:
         """The autocast dtype (and, with ``master_weights``, the compute dtype): fp16 or bf16."""
         return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
@@ -318,11 +331,15 @@ class MixedPrecisionPlugin(Precision):
         if self.master_weights and _fitting(module, default=bool(optimizers)):
             self._set_up_master_weights(model, module)
         if self._checker is not None:
-            if _world_size() > 1 and self._checker.process_group is None:
+            sharding = _sharding_of(model, module)
+            if sharding is not None:
+                # Each rank holds a shard: one weighted SUM over the world gives the norm and the skip decision.
+                self._checker.sharding = sharding
+            elif _world_size() > 1 and self._checker.process_group is None:
                 # One skip decision for all ranks: an overflow seen on one rank only (a rank-local fault, unused
                 # parameters) must skip the step everywhere, or the replicas drift apart.
                 self._checker.process_group = torch.distributed.group.WORLD
-            self._checker.set_parameter_names(module.named_parameters())
+            self._checker.set_parameter_names(_user_names(module))
         if self.hold_schedulers_on_skip and self._checker is not None:
             for config in lr_schedulers:
                 scheduler = getattr(config, "scheduler", config)
@@ -331,6 +348,14 @@ class MixedPrecisionPlugin(Precision):
         return super().connect(model, optimizers, lr_schedulers)
 
     def _set_up_master_weights(self, model: nn.Module, module: nn.Module) -> None:
+        sharded = [name for name, p in module.named_parameters() if _is_dtensor(p)]
+        if sharded:
+            raise ValueError(
+                f"{type(self).__name__}(master_weights=True) does not apply to sharded (DTensor) parameters "
+                f"({', '.join(sharded[:3])}, ...): under ModelParallelStrategy the FP32 shards are the master weights. "
+                "Compute in half through FSDP2's own policy instead: `fully_shard(module, mp_policy=plugin.mp_policy)` "
+                "in configure_model, with master_weights=False."
+            )
         if isinstance(model, DistributedDataParallel):
             # DDP's reducer follows each parameter's gradient accumulator, which a change of the parameter's dtype
             # replaces: under DDP the parameters stay FP32 (autocast casts them per op) and the gradients travel in
@@ -343,12 +368,6 @@ class MixedPrecisionPlugin(Precision):
                 f"(strategy='ddp'), not under {type(model).__name__}. Use a DDP strategy, or master_weights=False."
             )
         params = managed_parameters(module, self.half_modules, self.keep_fp32)
-        sharded = [name for name, p in module.named_parameters() if _is_dtensor(p)]
-        if sharded:
-            raise TypeError(
-                f"{type(self).__name__}(master_weights=True) cannot hold half copies of sharded (DTensor) parameters "
-                f"({', '.join(sharded[:3])}...): use master_weights=False."
-            )
         self._names = {id(p): name for name, p in module.named_parameters()}
         self._batches_narrowed = 0
         self._module = module
@@ -715,7 +734,30 @@ def _params_of(optimizer: Optimizer) -> Iterable[Tensor]:
 
 
 def _is_dtensor(param: Tensor) -> bool:
-    return type(param.data).__name__ == "DTensor"
+    return is_dtensor(param) or is_dtensor(param.data)
+
+
+def _sharding_of(model: nn.Module, module: nn.Module) -> Sharding | None:
+    """How the gradients are spread over the ranks: ``None`` unless sharded (FSDP's flat shards, FSDP2's DTensors)."""
+    world = _world_size()
+    if any(_is_dtensor(param) for param in module.parameters()):
+        # FSDP2: DTensor gradients say where they live; a parameter left as a plain tensor is on every rank.
+        return Sharding(replicas=world)
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    if isinstance(model, FullyShardedDataParallel):
+        # FSDP1: a FULL_SHARD / SHARD_GRAD_OP shard lives on one rank, a NO_SHARD one on all, a HYBRID_SHARD one on
+        # every replica of the shard group.
+        if model.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return Sharding(replicas=world)
+        group = model.process_group
+        return Sharding(replicas=world if group is None else world // group.size())
+    return None
+
+
+def _user_names(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameter names as the user wrote them (without FSDP's wrapper prefixes), for diagnostics."""
+    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in module.named_parameters()]
 
 
 def _fitting(module: nn.Module, default: bool = True) -> bool:

@@ -393,7 +393,12 @@ def test_the_command_line_imports_neither_torch_nor_lightning_to_answer_help_or_
 def test_the_package_exposes_its_public_names_on_first_use() -> None:
     import lightning_amp_plus
 
-    assert lightning_amp_plus.__all__ == ["DynamicLossScaler", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
+    assert lightning_amp_plus.__all__ == [
+        "DynamicLossScaler",
+        "FSDPMixedPrecisionPlugin",
+        "MixedPrecisionMonitor",
+        "MixedPrecisionPlugin",
+    ]
     assert set(lightning_amp_plus.__all__) <= set(dir(lightning_amp_plus))
     assert lightning_amp_plus.MixedPrecisionPlugin is MixedPrecisionPlugin
     with pytest.raises(AttributeError, match="has no attribute 'Missing'"):

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus.numerics.float32 import f32
+from lightning_amp_plus.numerics.sharding import local_view
 
 __all__ = ["clip_by_norm_", "measure", "nonfinite_names", "unscale_and_measure_"]
 
@@ -273,7 +274,8 @@ def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
 
     One multi-tensor norm per device and dtype (float32 accumulation, so large half-precision tensors do not overflow
     it): a non-finite value makes its tensor's norm non-finite. Names are looked up only when something is wrong.
-    Sparse tensors are judged by their stored values.
+    Sparse tensors are judged by their stored values, sharded ones (DTensors) by this rank's shard: each rank names
+    what it holds.
 
     Example:
         >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")]))])
@@ -281,7 +283,7 @@ def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     """
     if not named:
         return []
-    tensors = [_values(tensor) for _, tensor in named]
+    tensors = [_values(local_view(tensor)) for _, tensor in named]
     first = tensors[0].device
     with torch.no_grad():
         norms = measure(tensors, first)

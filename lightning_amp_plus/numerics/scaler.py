@@ -32,6 +32,7 @@ from lightning_amp_plus.numerics.float32 import f32
 from lightning_amp_plus.numerics.grads import clip_by_norm_, measure, unscale_and_measure_
 from lightning_amp_plus.numerics.outcome import StepOutcome, StepRecord
 from lightning_amp_plus.numerics.policy import ScalePolicy
+from lightning_amp_plus.numerics.sharding import Sharding, local_views
 
 __all__ = ["DynamicLossScaler", "StepOutcome"]
 
@@ -193,6 +194,11 @@ class DynamicLossScaler:
         and on the device on the fused path (``MixedPrecisionPlugin`` sets it under DDP). The measured norm is then
         the largest of the ranks' (equal on all ranks under DDP, which averages the gradients in backward);
         :attr:`last_overflow_params` names this rank's non-finite parameters only."""
+        self.sharding: Sharding | None = None
+        """Set when the gradients are sharded across ranks (FSDP, FSDP2: ``MixedPrecisionPlugin`` sets it): each rank
+        measures its local shards, and one SUM all-reduce of the weighted local squared norms gives the global norm
+        and the overflow flag on every rank (see :mod:`lightning_amp_plus.numerics.sharding`). It replaces the MAX
+        reduction of :attr:`process_group`."""
 
     def __repr__(self) -> str:
         c = self._policy
@@ -407,8 +413,8 @@ class DynamicLossScaler:
         # 1 / scale rounded once to float32, as GradScaler computes it.
         inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
         with torch.no_grad():
-            squared = unscale_and_measure_(grads, inv_scale, self._scale.device)
-            total = squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
+            squared = unscale_and_measure_(self._local(grads), inv_scale, self._scale.device)
+            total = self._total(squared, grads)
             # The step's one host sync: the skip decision. The square root of a float32 taken in float64 and rounded
             # once is the float32 square root (correctly rounded either way), without another tensor op.
             norm = f32(math.sqrt(total.item()))
@@ -438,7 +444,7 @@ class DynamicLossScaler:
         record = self._record(optimizer)
         assert record.grad_norm is not None
         if not record.overflow:
-            clip_by_norm_([p.grad for p in record.params if p.grad is not None], record.grad_norm, limit)
+            clip_by_norm_(self._local([p.grad for p in record.params if p.grad is not None]), record.grad_norm, limit)
         return record.grad_norm
 
     def grad_norm(self, optimizer: Optimizer) -> float | None:
@@ -713,10 +719,13 @@ class DynamicLossScaler:
         self._place(grads[0].device)
         zero, one = self._flag_constants(self._scale.device)
         with torch.no_grad():
-            norms = measure(grads, self._scale.device)
-            total = torch.linalg.vector_norm(norms)
-            if self.process_group is not None:
-                total = self._reduce_across_ranks(total)
+            norms = measure(self._local(grads), self._scale.device)
+            if self.sharding is not None:
+                total = self._total(norms.square(), grads).sqrt()
+            else:
+                total = torch.linalg.vector_norm(norms)
+                if self.process_group is not None:
+                    total = self._reduce_across_ranks(total)
             # Exactly 1.0 or 0.0: the CPU kernels skip only on found_inf == 1.0.
             flag = torch.where(torch.isfinite(total), zero, one)
         record.flag, record.total, record.norms, record.stepped = flag, total, norms, True
@@ -868,6 +877,17 @@ class DynamicLossScaler:
                 f"{ {key: mine[key] for key in differing} }.",
                 stacklevel=3,
             )
+
+    def _local(self, grads: list[Tensor]) -> list[Tensor]:
+        """The gradients to measure and change in place: this rank's shards when sharded, else the gradients."""
+        return grads if self.sharding is None else local_views(grads)
+
+    def _total(self, squared: Tensor, grads: list[Tensor]) -> Tensor:
+        """The squared global norm from the per-gradient squared norms: summed here, then across ranks if need be."""
+        if self.sharding is not None:
+            weighted = (squared * self.sharding.weights(grads, squared.device)).sum()
+            return self.sharding.all_reduce_(weighted)
+        return squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
 
     def _reduce_across_ranks(self, total: Tensor) -> Tensor:
         # MAX of the norms, with NaN first turned into inf (MAX with NaN is not defined the same way by every
