@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision
 from torch import nn
 from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
@@ -103,6 +104,16 @@ class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ig
                 "mixed precision, and the strategy's would win: pass one of them (master_weights=True gives "
                 "MixedPrecision(param_dtype=half, reduce_dtype=torch.float32))."
             )
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if self._checker is None:  # FSDPPrecision's own raises: a sharded norm needs the plugin's measuring pass
+            raise ValueError(
+                "FSDPMixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False) cannot clip by norm: the global norm of "
+                "the shards is measured by the plugin's gradient check. Use skip_nonfinite=True (the default), or "
+                "gradient_clip_algorithm='value'."
+            )
+        super().clip_grad_by_norm(optimizer, clip_val)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

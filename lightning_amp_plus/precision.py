@@ -475,8 +475,9 @@ class MixedPrecisionPlugin(Precision):
                 self._copies.widen_grads_()
             if self._batches_narrowed <= 1:
                 self._warn_repeated_uses(tensor)
-        # Hooks see the true loss; only backward sees the scaled one.
-        tensor = super().pre_backward(tensor, module)
+        # Hooks see the true loss; only backward sees the scaled one. Precision's own hook (the on_before_backward
+        # calls), named: under FSDP the next class along is FSDPPrecision, whose hook would scale a second time.
+        tensor = Precision.pre_backward(self, tensor, module)
         return tensor if self._scaler is None else self._scaler.scale(tensor)
 
     def _warn_repeated_uses(self, loss: Tensor) -> None:
