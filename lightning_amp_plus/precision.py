@@ -190,11 +190,11 @@ class MixedPrecisionPlugin(Precision):
         self.keep_fp32: tuple[type[nn.Module], ...] = () if keep_fp32 is None else tuple(keep_fp32)
         self.fp32_grad_accumulation = fp32_grad_accumulation
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
-        self._skip_nonfinite = skip_nonfinite
         self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
         self._skip_limit_given = max_consecutive_skips != _DEFAULT_SKIPS
         self._scaler: DynamicLossScaler | None = None
         self._checker: DynamicLossScaler | None = None
+        self._param_names: list[tuple[str, Tensor]] = []
         if precision == "16-mixed" and scaler is None:
             self._set_scaler(DynamicLossScaler(max_consecutive_skips=self._skip_limit), "")
         elif scaler is not None:
@@ -246,6 +246,12 @@ class MixedPrecisionPlugin(Precision):
                 f"MixedPrecisionPlugin(max_consecutive_skips={self._skip_limit!r}): set the limit in one place, e.g. "
                 f"DynamicLossScaler(..., max_consecutive_skips={self._skip_limit!r})."
             )
+        previous = self._checker
+        if previous is not None and previous is not scaler:
+            # Assigned after set-up (as users do with Lightning's plugin): the new scaler reduces where the old one did
+            # and names the same parameters.
+            scaler.process_group, scaler.sharding = previous.process_group, previous.sharding
+            scaler.set_parameter_names(self._param_names)
         self._scaler = self._checker = scaler
 
     # ------------------------------------------------------------------------------------------------ visibility
@@ -339,7 +345,8 @@ class MixedPrecisionPlugin(Precision):
                 # One skip decision for all ranks: an overflow seen on one rank only (a rank-local fault, unused
                 # parameters) must skip the step everywhere, or the replicas drift apart.
                 self._checker.process_group = torch.distributed.group.WORLD
-            self._checker.set_parameter_names(_user_names(module))
+            self._param_names = _user_names(module)
+            self._checker.set_parameter_names(self._param_names)
         if self.hold_schedulers_on_skip and self._checker is not None:
             for config in lr_schedulers:
                 scheduler = getattr(config, "scheduler", config)

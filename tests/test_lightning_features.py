@@ -805,3 +805,21 @@ def test_lightning_cli_takes_the_plugin_from_trainer_plugins(mode: Mode, tmp_pat
     assert isinstance(plugin, MixedPrecisionPlugin)
     assert (plugin.precision, plugin.master_weights) == (mode.precision, mode.master_weights)
     assert cli.trainer.global_step == 3 and {p.dtype for p in cli.model.parameters()} == {torch.float32}
+
+
+class SwapsTheScaler(pl.Callback):
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2:
+            trainer.precision_plugin.scaler = DynamicLossScaler(init_scale=SCALE)  # type: ignore[union-attr]
+
+
+def test_a_scaler_assigned_during_fit_names_the_parameters_the_old_one_named() -> None:
+    class OneBadLayer(TinyRegressor):
+        def on_after_backward(self) -> None:
+            if self.trainer.global_step == 4:
+                self.net[2].weight.grad[0, 0] = float("inf")
+
+    plugin = ours(Mode("16-mixed", False))
+    make_trainer(plugin, max_steps=6, max_epochs=-1, callbacks=[SwapsTheScaler()]).fit(OneBadLayer(), loader())
+    assert plugin.scaler is not None and plugin.scaler.skipped_steps == 1
+    assert plugin.last_overflow_params == ["net.2.weight"]
