@@ -8,6 +8,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torchvision.datasets import utils as tv_utils
@@ -347,13 +348,29 @@ def test_offline_the_error_names_the_path_the_url_and_the_alternatives(
         ("seed", -1),
         ("num_workers", -1),
         ("max_len", 1.5),
-        ("download", "no"),
+        ("max_len", True),
+        ("vocab_size", "100"),
         ("data_dir", ""),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argument: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"IMDBDataModule\({argument}={value!r}\)"):
         IMDBDataModule(**{argument: value})
+
+
+# A flag that is not a bool is a wrong type: TypeError, as the plugin's and the models' flags raise.
+def test_a_download_flag_that_is_not_a_bool_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"IMDBDataModule\(download='no'\)` must be True or False"):
+        IMDBDataModule(download="no")  # type: ignore[arg-type]
+
+
+def test_numpy_ints_give_the_same_batches_and_plain_ints_in_the_hyperparameters(imdb_dir: Path) -> None:
+    plain = ready(imdb_dir, max_len=4)
+    numpy = ready(imdb_dir, max_len=np.int64(4), batch_size=np.int64(2), val_size=np.int32(1), min_freq=np.int64(2))
+    assert dict(numpy.hparams) == dict(plain.hparams)
+    assert all(type(numpy.hparams[key]) is type(plain.hparams[key]) for key in plain.hparams)
+    for numpy_batch, plain_batch in zip(numpy.test_dataloader(), plain.test_dataloader(), strict=True):
+        torch.testing.assert_close(numpy_batch, plain_batch)
 
 
 def test_a_validation_split_as_large_as_the_training_set_is_refused(imdb_dir: Path) -> None:

@@ -21,7 +21,7 @@ from torchvision.datasets import CIFAR10
 from typing_extensions import override
 
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset, file_md5
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "DatasetUnavailableError"]
 
@@ -117,13 +117,13 @@ class CIFAR10DataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`CIFAR10DataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        check_int("CIFAR10DataModule", "batch_size", batch_size, 1)
-        check_int("CIFAR10DataModule", "num_workers", num_workers, 0)
-        check_int("CIFAR10DataModule", "val_size", val_size, 1)
-        check_int("CIFAR10DataModule", "seed", seed, 0)
-        for name, flag in (("augment", augment), ("download", download)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`CIFAR10DataModule({name}={flag!r})` is invalid: {name} must be True or False.")
+        # Plain Python ints from the checks: save_hyperparameters reads these locals.
+        batch_size = check_int("CIFAR10DataModule", "batch_size", batch_size, 1)
+        num_workers = check_int("CIFAR10DataModule", "num_workers", num_workers, 0)
+        val_size = check_int("CIFAR10DataModule", "val_size", val_size, 1)
+        seed = check_int("CIFAR10DataModule", "seed", seed, 0)
+        check_bool("CIFAR10DataModule", "augment", augment)
+        check_bool("CIFAR10DataModule", "download", download)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size

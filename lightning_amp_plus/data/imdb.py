@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_amp_plus.data._collate import pad_collate
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset
 from lightning_amp_plus.data._text import PAD_INDEX, Vocabulary, tokenize
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["IMDB_MD5", "IMDB_URL", "DatasetUnavailableError", "IMDBDataModule"]
 
@@ -152,15 +152,15 @@ class IMDBDataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`IMDBDataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        check_int("IMDBDataModule", "batch_size", batch_size, 1)
-        check_int("IMDBDataModule", "max_len", max_len, 1)
-        check_int("IMDBDataModule", "vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
-        check_int("IMDBDataModule", "min_freq", min_freq, 1)
-        check_int("IMDBDataModule", "val_size", val_size, 1)
-        check_int("IMDBDataModule", "seed", seed, 0)
-        check_int("IMDBDataModule", "num_workers", num_workers, 0)
-        if not isinstance(download, bool):
-            raise ValueError(f"`IMDBDataModule(download={download!r})` is invalid: download must be True or False.")
+        # Plain Python ints from the checks: save_hyperparameters reads these locals.
+        batch_size = check_int("IMDBDataModule", "batch_size", batch_size, 1)
+        max_len = check_int("IMDBDataModule", "max_len", max_len, 1)
+        vocab_size = check_int("IMDBDataModule", "vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
+        min_freq = check_int("IMDBDataModule", "min_freq", min_freq, 1)
+        val_size = check_int("IMDBDataModule", "val_size", val_size, 1)
+        seed = check_int("IMDBDataModule", "seed", seed, 0)
+        num_workers = check_int("IMDBDataModule", "num_workers", num_workers, 0)
+        check_bool("IMDBDataModule", "download", download)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size

@@ -17,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_amp_plus.data._collate import pad_collate
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_int, check_nonnegative
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -55,8 +55,9 @@ def synthetic_images(
         >>> tuple(images.shape), images.dtype, sorted(labels.tolist())
         ((4, 3, 8, 8), torch.float32, [0, 0, 1, 1])
     """
-    for name, value, minimum in (("n", n, 1), ("image_size", image_size, 1), ("num_classes", num_classes, 2)):
-        check_int("synthetic_images", name, value, minimum)
+    n = check_int("synthetic_images", "n", n, 1)
+    image_size = check_int("synthetic_images", "image_size", image_size, 1)
+    num_classes = check_int("synthetic_images", "num_classes", num_classes, 2)
     task = torch.Generator().manual_seed(seed)
     # Orientations spread evenly over half a turn, in a seeded order; frequencies 1.5-3 cycles per image.
     angles = torch.randperm(num_classes, generator=task).double() * math.pi / num_classes
@@ -122,15 +123,15 @@ class SyntheticCIFAR10DataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "num_train", num_train, 1)
-        check_int(name, "num_val", num_val, 1)
-        check_int(name, "image_size", image_size, 4)
-        check_int(name, "num_classes", num_classes, 2)
-        check_int(name, "batch_size", batch_size, 1)
-        check_int(name, "seed", seed, 0)
-        check_int(name, "num_workers", num_workers, 0)
-        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
-            raise ValueError(f"`{name}(noise={noise!r})` must be a finite number >= 0, e.g. 0.3 (0: no pixel noise).")
+        # Plain Python numbers from the checks: save_hyperparameters reads these locals.
+        num_train = check_int(name, "num_train", num_train, 1)
+        num_val = check_int(name, "num_val", num_val, 1)
+        image_size = check_int(name, "image_size", image_size, 4)
+        num_classes = check_int(name, "num_classes", num_classes, 2)
+        batch_size = check_int(name, "batch_size", batch_size, 1)
+        seed = check_int(name, "seed", seed, 0)
+        num_workers = check_int(name, "num_workers", num_workers, 0)
+        noise = check_nonnegative(name, "noise", noise, hint=", e.g. 0.3 (0: no pixel noise)")
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.batch_size = batch_size
@@ -211,9 +212,10 @@ def synthetic_reviews(
         >>> tokens.dtype, 3 <= len(tokens) <= 6, sorted(reviews.labels)
         (torch.int64, True, [0, 0, 1, 1])
     """
-    for name, value, minimum in (("n", n, 1), ("vocab_size", vocab_size, 5), ("min_len", min_len, 1)):
-        check_int("synthetic_reviews", name, value, minimum)
-    check_int("synthetic_reviews", "max_len", max_len, min_len)
+    n = check_int("synthetic_reviews", "n", n, 1)
+    vocab_size = check_int("synthetic_reviews", "vocab_size", vocab_size, 5)
+    min_len = check_int("synthetic_reviews", "min_len", min_len, 1)
+    max_len = check_int("synthetic_reviews", "max_len", max_len, min_len)
     words = vocab_size - _RESERVED
     per_class = max(1, words // 10) if sentiment_words is None else sentiment_words
     if per_class < 1 or 2 * per_class >= words:
@@ -283,16 +285,17 @@ class SyntheticIMDBDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "num_train", num_train, 1)
-        check_int(name, "num_val", num_val, 1)
-        check_int(name, "vocab_size", vocab_size, 5)
-        check_int(name, "min_len", min_len, 1)
-        check_int(name, "max_len", max_len, 1)
+        # Plain Python numbers from the checks: save_hyperparameters reads these locals.
+        num_train = check_int(name, "num_train", num_train, 1)
+        num_val = check_int(name, "num_val", num_val, 1)
+        vocab_size = check_int(name, "vocab_size", vocab_size, 5)
+        min_len = check_int(name, "min_len", min_len, 1)
+        max_len = check_int(name, "max_len", max_len, 1)
         if max_len < min_len:
             raise ValueError(f"`{name}(min_len={min_len}, max_len={max_len})`: max_len must be >= min_len.")
-        check_int(name, "batch_size", batch_size, 1)
-        check_int(name, "seed", seed, 0)
-        check_int(name, "num_workers", num_workers, 0)
+        batch_size = check_int(name, "batch_size", batch_size, 1)
+        seed = check_int(name, "seed", seed, 0)
+        num_workers = check_int(name, "num_workers", num_workers, 0)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.pad_index = PAD_INDEX
