@@ -269,7 +269,7 @@ def test_the_smallest_vocabulary_still_has_a_neutral_word():
 
 
 def test_synthetic_images_are_normalised_with_the_real_cifar_modules_statistics():
-    # synthetic.py keeps its own copy so that it never imports torchvision; this keeps the two from drifting apart.
+    # Both modules export the one definition in data/_cifar_stats.py (apart from cifar.py: no torchvision import).
     from lightning_amp_plus.data import cifar
 
     assert (CIFAR10_MEAN, CIFAR10_STD) == (cifar.CIFAR10_MEAN, cifar.CIFAR10_STD)

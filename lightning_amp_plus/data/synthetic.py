@@ -9,14 +9,19 @@ validation and test sets are disjoint draws of the same task.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
+from typing_extensions import override
 
+# Synthetic images are normalised with the real CIFAR-10 statistics (re-exported here, see __all__).
+from lightning_amp_plus.data._cifar_stats import CIFAR10_MEAN, CIFAR10_STD
 from lightning_amp_plus.data._collate import pad_collate
+from lightning_amp_plus.data._loaders import SplitDataModule
+from lightning_amp_plus.data._text import PAD_INDEX, UNK_INDEX
 from lightning_amp_plus.numerics.checks import check_int, check_nonnegative
 
 __all__ = [
@@ -28,15 +33,41 @@ __all__ = [
     "synthetic_reviews",
 ]
 
-# Per-channel statistics of the CIFAR-10 training set: synthetic images are normalised as the real ones are.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-
 # Splits are independent draws of one task: each gets its own generator stream.
 _SPLITS = {"train": 1, "val": 2, "test": 3}
-PAD_INDEX = 0
-UNK_INDEX = 1
-_RESERVED = 2  # ids 0 (padding) and 1 (<unk>) are never drawn as words
+_RESERVED = 2  # ids 0 (padding, PAD_INDEX) and 1 (<unk>, UNK_INDEX) are never drawn as words
+
+
+_Set = TypeVar("_Set", bound=Dataset[Any])
+
+
+class _SyntheticDataModule(SplitDataModule, Generic[_Set]):
+    """What both synthetic modules share: the sets generated on first use, the training order fixed by ``seed``."""
+
+    datasets: dict[str, _Set]
+
+    def _generate(self, size: int, split: int) -> _Set:
+        """``size`` samples of the draw ``split`` of the task (see :data:`_SPLITS`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _generate(size, split).")
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Generate the three sets (once: later calls keep them)."""
+        hp = self.hparams
+        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
+        for split, size in sizes.items():
+            if split not in self.datasets:
+                self.datasets[split] = self._generate(size, _SPLITS[split])
+
+    @override
+    def _dataset(self, split: str) -> Dataset[Any]:
+        self.setup()
+        return self.datasets[split]
+
+    @override
+    def _shuffle_generator(self) -> torch.Generator:
+        # A generator of our own: the shuffled order follows `seed`, not whatever the global RNG holds.
+        return torch.Generator().manual_seed(self.hparams["seed"])
 
 
 # ----------------------------------------------------------------------------------------------------------- images
@@ -85,7 +116,7 @@ def synthetic_images(
     return ((pixels.clamp(0, 1) - mean) / std).float(), labels
 
 
-class SyntheticCIFAR10DataModule(pl.LightningDataModule):
+class SyntheticCIFAR10DataModule(_SyntheticDataModule[TensorDataset]):
     """CIFAR-10-shaped images of learnable classes (see :func:`synthetic_images`), generated in memory.
 
     Batches are ``(images float[B, 3, S, S], labels long[B])`` like the real CIFAR-10 module's. The test set is a
@@ -135,34 +166,14 @@ class SyntheticCIFAR10DataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.batch_size = batch_size
-        self.datasets: dict[str, TensorDataset] = {}
+        self.num_workers = num_workers
+        self.datasets = {}
 
-    def setup(self, stage: str | None = None) -> None:
-        """Generate the three sets (once: later calls keep them)."""
+    @override
+    def _generate(self, size: int, split: int) -> TensorDataset:
         hp = self.hparams
-        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
-        for split, size in sizes.items():
-            if split not in self.datasets:
-                images, labels = synthetic_images(
-                    size, hp["image_size"], hp["num_classes"], hp["noise"], hp["seed"], _SPLITS[split]
-                )
-                self.datasets[split] = TensorDataset(images, labels)
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        """Shuffled training batches, in an order fixed by ``seed``."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        """Validation batches, in order."""
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        """Test batches, in order."""
-        return self._loader("test", shuffle=False)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader[Any]:
-        self.setup()
-        return _dataloader(self.datasets[split], self.batch_size, shuffle, self.hparams, collate_fn=None)
+        images, labels = synthetic_images(size, hp["image_size"], hp["num_classes"], hp["noise"], hp["seed"], split)
+        return TensorDataset(images, labels)
 
 
 # ----------------------------------------------------------------------------------------------------------- reviews
@@ -243,7 +254,7 @@ def synthetic_reviews(
     return TokenSequences(sequences, labels.tolist())
 
 
-class SyntheticIMDBDataModule(pl.LightningDataModule):
+class SyntheticIMDBDataModule(_SyntheticDataModule[TokenSequences]):
     """IMDB-shaped token sequences of a learnable binary sentiment task (see :func:`synthetic_reviews`).
 
     Batches are ``(tokens long[B, T], lengths long[B], labels float[B])`` from
@@ -301,51 +312,17 @@ class SyntheticIMDBDataModule(pl.LightningDataModule):
         self.pad_index = PAD_INDEX
         self.unk_index = UNK_INDEX
         self.batch_size = batch_size
-        self.datasets: dict[str, TokenSequences] = {}
+        self.num_workers = num_workers
+        self.datasets = {}
 
-    def setup(self, stage: str | None = None) -> None:
-        """Generate the three sets (once: later calls keep them)."""
+    @override
+    def _generate(self, size: int, split: int) -> TokenSequences:
         hp = self.hparams
-        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
-        for split, size in sizes.items():
-            if split not in self.datasets:
-                self.datasets[split] = synthetic_reviews(
-                    size, hp["vocab_size"], hp["min_len"], hp["max_len"], hp["seed"], _SPLITS[split]
-                )
+        return synthetic_reviews(size, hp["vocab_size"], hp["min_len"], hp["max_len"], hp["seed"], split)
 
-    def train_dataloader(self) -> DataLoader[Any]:
-        """Shuffled training batches, in an order fixed by ``seed``."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        """Validation batches, in order."""
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        """Test batches, in order."""
-        return self._loader("test", shuffle=False)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader[Any]:
-        self.setup()
-        return _dataloader(self.datasets[split], self.batch_size, shuffle, self.hparams, collate_fn=pad_collate)
-
-
-# ------------------------------------------------------------------------------------------------------------ shared
-def _dataloader(
-    dataset: Dataset[Any], batch_size: int, shuffle: bool, hparams: Any, collate_fn: Any
-) -> DataLoader[Any]:
-    workers = hparams["num_workers"]
-    # A generator of our own: the shuffled order follows `seed`, not whatever the global RNG holds.
-    generator = torch.Generator().manual_seed(hparams["seed"]) if shuffle else None
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=generator,
-        collate_fn=collate_fn,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-    )
+    @override
+    def _collate(self) -> Callable[[list[Any]], Any]:
+        return pad_collate
 
 
 def _sample_seed(seed: int, split: int) -> int:
