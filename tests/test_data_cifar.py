@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pickle
 import tarfile
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import FakeNetwork, fake_network
 from torchvision.datasets import CIFAR10
-from torchvision.datasets import utils as tv_utils
 
 from lightning_amp_plus.data._download import CorruptArchiveError, DatasetUnavailableError, file_md5
 from lightning_amp_plus.data.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
@@ -24,32 +22,9 @@ MEAN = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
 STD = torch.tensor(CIFAR10_STD).view(3, 1, 1)
 
 
-class FakeNetwork:
-    """Stands in for torchvision's ``download_url``: records each attempt and, by default, fails as if offline."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self.behaviour: Callable[[str, Path], None] = self.offline
-
-    @staticmethod
-    def offline(url: str, path: Path) -> None:
-        raise OSError(f"network disabled in tests: {url}")
-
-    def download_url(self, url: str, root: str, filename: str | None = None, md5: str | None = None) -> None:
-        self.urls.append(url)
-        self.behaviour(url, Path(root) / (filename or Path(url).name))
-
-
 @pytest.fixture(autouse=True)
 def network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
-    fake = FakeNetwork()
-    monkeypatch.setattr(tv_utils, "download_url", fake.download_url)
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a test tried to open a URL")
-
-    monkeypatch.setattr(urllib.request, "urlopen", refuse)
-    return fake
+    return fake_network(monkeypatch)
 
 
 def image_ids(count: int, first: int) -> np.ndarray:

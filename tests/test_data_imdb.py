@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import re
 import tarfile
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from torchvision.datasets import utils as tv_utils
+from helpers import FakeNetwork, fake_network
 
 from lightning_amp_plus.data import imdb
 from lightning_amp_plus.data._download import CorruptArchiveError, DatasetUnavailableError, file_md5
@@ -33,36 +31,9 @@ TEST = {"neg": ["terrible terrible terrible terrible testonlyword"], "pos": ["gr
 UNIQUE = [f"uniq{k}" for k in range(6)]
 
 
-class FakeNetwork:
-    """Stands in for torchvision's ``download_url``: records each attempt and, by default, fails as if offline."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self.behaviour: Callable[[str, Path], None] = self.offline
-
-    @staticmethod
-    def offline(url: str, path: Path) -> None:
-        raise OSError(f"network disabled in tests: {url}")
-
-    def download_url(self, url: str, root: str, filename: str | None = None, md5: str | None = None) -> None:
-        path = Path(root) / (filename or Path(url).name)
-        # As torchvision's: a file already there that passes the (optional) md5 counts as downloaded.
-        if path.is_file() and (md5 is None or file_md5(path) == md5):
-            return
-        self.urls.append(url)
-        self.behaviour(url, path)
-
-
 @pytest.fixture(autouse=True)
 def network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
-    fake = FakeNetwork()
-    monkeypatch.setattr(tv_utils, "download_url", fake.download_url)
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a test tried to open a URL")
-
-    monkeypatch.setattr(urllib.request, "urlopen", refuse)
-    return fake
+    return fake_network(monkeypatch)
 
 
 def write_imdb(root: Path) -> Path:
@@ -253,12 +224,18 @@ def test_the_archive_is_extracted_and_gives_the_same_data_as_the_folder(
     assert [p.name for p in archive.parent.iterdir() if p.name.startswith(".")] == []  # no staging folder left
 
 
-def test_a_download_is_checked_and_renamed_into_place(
-    tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
-) -> None:
+def serve_an_archive_of(imdb_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork) -> bytes:
+    """Make the fake network serve an archive of ``imdb_dir`` (the expected md5 set to its own); return its bytes."""
     payload = write_archive(imdb_dir / "aclImdb", tmp_path / "payload.tar.gz").read_bytes()
     monkeypatch.setattr(imdb, "IMDB_MD5", file_md5(tmp_path / "payload.tar.gz"))
     network.behaviour = lambda url, path: path.write_bytes(payload)
+    return payload
+
+
+def test_a_download_is_checked_and_renamed_into_place(
+    tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
+) -> None:
+    payload = serve_an_archive_of(imdb_dir, tmp_path, monkeypatch, network)
     data_dir = tmp_path / "fresh"
     dm = ready(data_dir, download=True)
     assert network.urls == [IMDB_URL]
@@ -289,9 +266,7 @@ def test_a_corrupt_download_is_reported_and_deleted(tmp_path: Path, network: Fak
 def test_a_stale_partial_file_is_not_taken_for_a_download(
     tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
 ) -> None:
-    payload = write_archive(imdb_dir / "aclImdb", tmp_path / "payload.tar.gz").read_bytes()
-    monkeypatch.setattr(imdb, "IMDB_MD5", file_md5(tmp_path / "payload.tar.gz"))
-    network.behaviour = lambda url, path: path.write_bytes(payload)
+    payload = serve_an_archive_of(imdb_dir, tmp_path, monkeypatch, network)
     data_dir = tmp_path / "fresh"
     data_dir.mkdir()
     (data_dir / "aclImdb_v1.tar.gz.part").write_bytes(b"left by a killed run")

@@ -27,7 +27,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
-from helpers import FP16_ON_CPU_WARNING, INF, TinyRegressor, loader, make_trainer
+from helpers import FP16_ON_CPU_WARNING, INF, PNG_SIGNATURE, TinyRegressor, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
 NAN = float("nan")
 ALL_PARAMETERS = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
