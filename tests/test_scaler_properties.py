@@ -1,8 +1,9 @@
 """Property-based tests: the loss scaler's state machine against a plain-Python reference model of its policy.
 
 The reference (:class:`Reference`) is written from the docstrings of ``ScalePolicy`` and ``DynamicLossScaler``, not from
-``_policy``'s code: it counts the overflows since the last growth (where the package counts a hysteresis tracker down)
-and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 -> float32 cast).
+the code of ``numerics/policy.py``: it counts the overflows since the last growth (where the package counts a hysteresis
+tracker down) and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 ->
+float32 cast).
 
 Every test is derandomized (``derandomize=True``, no example database) so CI sees the same examples on every run.
 The end-to-end properties draw the optimizer too: plain SGD (the unscale path, one host read per step) or fused SGD

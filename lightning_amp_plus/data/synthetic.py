@@ -1,4 +1,4 @@
-"""Learnable stand-ins for CIFAR-10 and IMDB, generated offline from a seed: for tests, demos and CPU-only machines.
+"""Learnable stand-ins for CIFAR-10 and IMDB, generated offline from a seed: for tests, examples and CPU-only machines.
 
 Both tasks are learnable, not trivial: a class is a pattern that each sample shows only partly, under random shifts and
 noise (images), or diluted among neutral words (token sequences), so an untrained model scores about chance and a small
