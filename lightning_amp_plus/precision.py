@@ -817,5 +817,5 @@ def skipped_steps(source: pl.Trainer | Precision) -> int | None:
     return 0
 
 
-# Appended here rather than in the list at the top: the accessor joins the module's public names.
+# Public too: the one way callers read skipped steps, whichever plugin ran.
 __all__ += ["skipped_steps"]
