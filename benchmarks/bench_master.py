@@ -127,9 +127,9 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import MixedPrecisionPlugin
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
 from lightning_amp_plus.numerics.master import managed_parameters
+from lightning_amp_plus.precision import skipped_steps
 
 MIB = 2**20
 _INIT_SCALE = 2.0**10
@@ -484,10 +484,10 @@ def _fix_mmap_threshold() -> None:
 
 
 def _skipped(trainer: pl.Trainer) -> str:
-    plugin = trainer.precision_plugin
-    if isinstance(plugin, MixedPrecisionPlugin):
-        return str(plugin.skipped_steps) if plugin.skip_nonfinite else "-"
-    scaler = getattr(plugin, "scaler", None)
+    counted = skipped_steps(trainer)
+    if counted is not None:
+        return str(counted)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)  # GradScaler counts no skips: read its scale
     if isinstance(scaler, torch.amp.GradScaler):
         scale = scaler.get_scale()
         return "0" if scale == _INIT_SCALE else f"some (scale {_INIT_SCALE:g} -> {scale:g})"

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
+from lightning_amp_plus.numerics.checks import check_int, check_real
 from lightning_amp_plus.numerics.grads import nonfinite_names
 from lightning_amp_plus.numerics.sharding import local_view
 from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
@@ -95,18 +96,13 @@ class MixedPrecisionMonitor(Callback):
         report_path: str | Path | None = None,
     ) -> None:
         name = type(self).__name__
-        if isinstance(check_interval, bool) or not isinstance(check_interval, int) or check_interval < 0:
-            raise ValueError(f"`{name}(check_interval={check_interval!r})` must be an int >= 0 (0 never checks).")
+        check_interval = check_int(name, "check_interval", check_interval, 0, hint=" (0 never checks)")
         if on_nonfinite not in _POLICIES:
             raise ValueError(f"`{name}(on_nonfinite={on_nonfinite!r})` must be one of {_POLICIES}.")
-        if isinstance(skip_window, bool) or not isinstance(skip_window, int) or skip_window < 1:
-            raise ValueError(f"`{name}(skip_window={skip_window!r})` must be an int >= 1, e.g. 100.")
-        if (
-            isinstance(skip_warn_rate, bool)
-            or not isinstance(skip_warn_rate, (int, float))
-            or not 0 <= skip_warn_rate <= 1
-        ):
-            raise ValueError(f"`{name}(skip_warn_rate={skip_warn_rate!r})` must be a fraction in [0, 1], e.g. 0.05.")
+        skip_window = check_int(name, "skip_window", skip_window, 1, hint=", e.g. 100")
+        skip_warn_rate = check_real(
+            name, "skip_warn_rate", skip_warn_rate, "a fraction in [0, 1], e.g. 0.05", lambda rate: 0 <= rate <= 1
+        )
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
         self.skip_window = skip_window

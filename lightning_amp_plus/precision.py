@@ -841,3 +841,31 @@ def _check_master_options(
                 f"`{name}({option}={given!r})` applies to FP32 master weights only: add master_weights=True, or "
                 f"drop {option}."
             )
+
+
+def skipped_steps(source: pl.Trainer | Precision) -> int | None:
+    """The optimizer steps the precision plugin skipped for non-finite gradients; ``None`` where it does not count them.
+
+    ``source`` is a Trainer (its ``precision_plugin`` is read) or a precision plugin. :class:`MixedPrecisionPlugin`
+    counts its skips (:attr:`~MixedPrecisionPlugin.skipped_steps`, 0 when it checks nothing). A plugin with a loss
+    scaler of its own (Lightning's ``MixedPrecision("16-mixed")`` and its ``torch.amp.GradScaler``, or another fp16
+    mixed plugin) skips steps without counting them: ``None``, not a number that may be wrong. Any other plugin never
+    skips a step (``32-true``, bf16 without a scaler): 0.
+
+    Example:
+        >>> from lightning.pytorch.plugins.precision import MixedPrecision
+        >>> skipped_steps(MixedPrecisionPlugin("bf16-mixed")), skipped_steps(MixedPrecision("16-mixed", "cpu"))
+        (0, None)
+        >>> skipped_steps(pl.Trainer(precision="32-true", logger=False))
+        0
+    """
+    plugin = source.precision_plugin if isinstance(source, pl.Trainer) else source
+    if isinstance(plugin, MixedPrecisionPlugin):
+        return plugin.skipped_steps
+    if getattr(plugin, "scaler", None) is not None or getattr(plugin, "precision", None) == "16-mixed":
+        return None
+    return 0
+
+
+# Public too: the one way callers read skipped steps, whichever plugin ran.
+__all__ += ["skipped_steps"]

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
 from lightning_amp_plus.cli import main
+from lightning_amp_plus.data._download import file_md5
 
 # The plugin warns once per fit that fp16 autocast on CPU is slow; these tests use it on CPU on purpose.
 FP16_ON_CPU_WARNING = r"ignore:MixedPrecisionPlugin\('16-mixed'\) on CPU:UserWarning"
 PRECISIONS = ("16-mixed", "bf16-mixed")
+HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}  # the half dtype of each mixed precision
 INF = float("inf")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The fp16 start scale of the plugins below: it keeps these tiny models clear of fp16 overflow, so that runs under our
+# plugin and under Lightning's compare step for step.
+START_SCALE = 2.0**10
 
 
 def regression_data(n: int = 64, seed: int = 0) -> TensorDataset:
@@ -135,6 +145,48 @@ class ScaleRecorder(pl.Callback):
         self.grad_norms.append(getattr(trainer.precision_plugin, "last_grad_norm", None))
 
 
+class StateAroundSteps(pl.Callback):
+    """The weights and the optimizer's tensor state (Adam's moments...) at the start and at the end of each batch.
+
+    ``before[i]`` and ``after[i]`` list the parameters, then the state tensors, of training batch ``i``.
+    """
+
+    def __init__(self) -> None:
+        self.before: list[list[Tensor]] = []
+        self.after: list[list[Tensor]] = []
+
+    def _state(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[Tensor]:
+        opt = trainer.optimizers[0]
+        state = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, Tensor)]
+        return parameters_of(module) + state
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.before.append(self._state(trainer, module))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        self.after.append(self._state(trainer, module))
+
+
+class TrainingStateAfterBatches(pl.Callback):
+    """After every training batch, in ``taken``: the parameters, the optimizer's state dict, the LR and the first
+    scheduler's ``last_epoch`` (``None`` without a scheduler)."""
+
+    def __init__(self) -> None:
+        self.taken: list[dict[str, Any]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        optimizer = trainer.optimizers[0]
+        configs = trainer.lr_scheduler_configs
+        self.taken.append(
+            {
+                "params": parameters_of(pl_module),
+                "state": copy.deepcopy(optimizer.state_dict()["state"]),
+                "lr": optimizer.param_groups[0]["lr"],
+                "last_epoch": configs[0].scheduler.last_epoch if configs else None,
+            }
+        )
+
+
 def make_trainer(plugin: Precision | None = None, **kwargs: Any) -> pl.Trainer:
     """A quiet single-process CPU Trainer; keyword arguments override the defaults."""
     settings: dict[str, Any] = {
@@ -152,8 +204,33 @@ def make_trainer(plugin: Precision | None = None, **kwargs: Any) -> pl.Trainer:
     return pl.Trainer(**settings)
 
 
+# ------------------------------------------------------------------------------------------------- the plugins
+def our_plugin(precision: str, growth_interval: int = 10_000, **options: Any) -> MixedPrecisionPlugin:
+    """``MixedPrecisionPlugin`` on CPU; under fp16 its scaler starts at :data:`START_SCALE` and grows after
+    ``growth_interval`` clean steps, as :func:`lightning_plugin`'s GradScaler does. ``options`` go to the plugin."""
+    scaler = (
+        DynamicLossScaler(init_scale=START_SCALE, growth_interval=growth_interval) if precision == "16-mixed" else None
+    )
+    return MixedPrecisionPlugin(precision, device="cpu", scaler=scaler, **options)  # type: ignore[arg-type]
+
+
+def lightning_plugin(precision: str, growth_interval: int = 10_000) -> MixedPrecision:
+    """Lightning's ``MixedPrecision`` on CPU, the reference for :func:`our_plugin`: under fp16 its GradScaler starts
+    at :data:`START_SCALE` and grows after ``growth_interval`` clean steps."""
+    plugin = MixedPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    if plugin.scaler is not None:
+        plugin.scaler = torch.amp.GradScaler("cpu", init_scale=START_SCALE, growth_interval=growth_interval)
+    return plugin
+
+
 def parameters_of(module: nn.Module) -> list[Tensor]:
     return [p.detach().clone() for p in module.parameters()]
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module, rtol: float = 0.0, atol: float = 0.0) -> None:
+    """``a``'s parameters equal ``b``'s (bit for bit by default), the failure naming the first that differs."""
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(pa, pb, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def global_norm(tensors: Iterable[Tensor]) -> Tensor:
@@ -184,3 +261,71 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     err: str = capsys.readouterr().err
     assert "Traceback" not in err
     return err
+
+
+# ------------------------------------------------------------------------------------------------ host reads
+# Tensor methods that copy a device value to the host.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "__array__")
+
+
+@contextmanager
+def host_reads(calls: list[str]) -> Iterator[None]:
+    """Record in ``calls`` the name of every host read of a tensor (:data:`HOST_READS`) made inside the block.
+
+    Hand-made rather than pytest's ``monkeypatch``: hypothesis runs many examples in one test call, and a
+    function-scoped fixture would be shared by all of them.
+    """
+    originals = {name: getattr(Tensor, name) for name in HOST_READS if hasattr(Tensor, name)}
+
+    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    try:
+        for name, original in originals.items():
+            setattr(Tensor, name, spy(name, original))
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(Tensor, name, original)
+
+
+# ------------------------------------------------------------------------------------------------- downloads
+class FakeNetwork:
+    """Stands in for torchvision's ``download_url``: records each attempt and, by default, fails as if offline.
+
+    As torchvision's, it does nothing when the file is already there and passes the (optional) md5. Set
+    ``behaviour(url, path)`` to serve a download.
+    """
+
+    def __init__(self) -> None:
+        self.urls: list[str] = []
+        self.behaviour: Callable[[str, Path], None] = self.offline
+
+    @staticmethod
+    def offline(url: str, path: Path) -> None:
+        raise OSError(f"network disabled in tests: {url}")
+
+    def download_url(self, url: str, root: str, filename: str | None = None, md5: str | None = None) -> None:
+        path = Path(root) / (filename or Path(url).name)
+        if path.is_file() and (md5 is None or file_md5(path) == md5):
+            return
+        self.urls.append(url)
+        self.behaviour(url, path)
+
+
+def fake_network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
+    """Put a :class:`FakeNetwork` in torchvision's place, and make any other URL opened fail the test."""
+    from torchvision.datasets import utils as tv_utils
+
+    fake = FakeNetwork()
+    monkeypatch.setattr(tv_utils, "download_url", fake.download_url)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a test tried to open a URL")
+
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    return fake

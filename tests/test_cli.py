@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import usage_error
+from helpers import PNG_SIGNATURE, usage_error
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
 from lightning_amp_plus.cli import AmpSettings, _settings, build_parser, doctor, main
@@ -25,7 +25,6 @@ from lightning_amp_plus.cli.train import train
 TINY_CNN = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 TINY_LSTM = ["lstm", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--hidden-dim", "4",
              "--embed-dim", "4", "--max-len", "12", "--accelerator", "cpu"]  # fmt: skip
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = Path(__file__).resolve().parent.parent
 
 

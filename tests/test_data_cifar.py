@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import pickle
 import tarfile
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import FakeNetwork, fake_network
 from torchvision.datasets import CIFAR10
-from torchvision.datasets import utils as tv_utils
 
 from lightning_amp_plus.data._download import CorruptArchiveError, DatasetUnavailableError, file_md5
 from lightning_amp_plus.data.cifar import CIFAR10_MEAN, CIFAR10_STD, CIFAR10DataModule
@@ -24,32 +22,9 @@ MEAN = torch.tensor(CIFAR10_MEAN).view(3, 1, 1)
 STD = torch.tensor(CIFAR10_STD).view(3, 1, 1)
 
 
-class FakeNetwork:
-    """Stands in for torchvision's ``download_url``: records each attempt and, by default, fails as if offline."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self.behaviour: Callable[[str, Path], None] = self.offline
-
-    @staticmethod
-    def offline(url: str, path: Path) -> None:
-        raise OSError(f"network disabled in tests: {url}")
-
-    def download_url(self, url: str, root: str, filename: str | None = None, md5: str | None = None) -> None:
-        self.urls.append(url)
-        self.behaviour(url, Path(root) / (filename or Path(url).name))
-
-
 @pytest.fixture(autouse=True)
 def network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
-    fake = FakeNetwork()
-    monkeypatch.setattr(tv_utils, "download_url", fake.download_url)
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a test tried to open a URL")
-
-    monkeypatch.setattr(urllib.request, "urlopen", refuse)
-    return fake
+    return fake_network(monkeypatch)
 
 
 def image_ids(count: int, first: int) -> np.ndarray:
@@ -230,14 +205,29 @@ def test_offline_download_failure_names_the_url_and_leaves_nothing(tmp_path: Pat
         ("val_size", 0),
         ("seed", -1),
         ("batch_size", 2.5),
-        ("augment", "yes"),
-        ("download", 1),
+        ("batch_size", True),
+        ("seed", "0"),
         ("data_dir", ""),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argument: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"CIFAR10DataModule\({argument}={value!r}\)"):
         CIFAR10DataModule(**{argument: value})
+
+
+# A flag that is not a bool is a wrong type: TypeError, as the plugin's and the models' flags raise.
+@pytest.mark.parametrize(("argument", "value"), [("augment", "yes"), ("download", 1)])
+def test_a_flag_that_is_not_a_bool_is_refused_by_name(argument: str, value: object) -> None:
+    with pytest.raises(TypeError, match=rf"CIFAR10DataModule\({argument}={value!r}\)` must be True or False"):
+        CIFAR10DataModule(**{argument: value})
+
+
+def test_numpy_ints_give_the_same_batches_and_plain_ints_in_the_hyperparameters(cifar_dir: Path) -> None:
+    plain = ready(cifar_dir, augment=False, seed=3)
+    numpy = ready(cifar_dir, augment=False, seed=np.int64(3), batch_size=np.int64(8), val_size=np.int32(5))
+    assert dict(numpy.hparams) == dict(plain.hparams)
+    assert all(type(numpy.hparams[key]) is type(plain.hparams[key]) for key in plain.hparams)
+    torch.testing.assert_close(all_batches(numpy.val_dataloader()), all_batches(plain.val_dataloader()))
 
 
 def test_a_validation_split_as_large_as_the_training_set_is_refused(cifar_dir: Path) -> None:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import re
 import tarfile
-import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from torchvision.datasets import utils as tv_utils
+from helpers import FakeNetwork, fake_network
 
 from lightning_amp_plus.data import imdb
 from lightning_amp_plus.data._download import CorruptArchiveError, DatasetUnavailableError, file_md5
@@ -32,36 +31,9 @@ TEST = {"neg": ["terrible terrible terrible terrible testonlyword"], "pos": ["gr
 UNIQUE = [f"uniq{k}" for k in range(6)]
 
 
-class FakeNetwork:
-    """Stands in for torchvision's ``download_url``: records each attempt and, by default, fails as if offline."""
-
-    def __init__(self) -> None:
-        self.urls: list[str] = []
-        self.behaviour: Callable[[str, Path], None] = self.offline
-
-    @staticmethod
-    def offline(url: str, path: Path) -> None:
-        raise OSError(f"network disabled in tests: {url}")
-
-    def download_url(self, url: str, root: str, filename: str | None = None, md5: str | None = None) -> None:
-        path = Path(root) / (filename or Path(url).name)
-        # As torchvision's: a file already there that passes the (optional) md5 counts as downloaded.
-        if path.is_file() and (md5 is None or file_md5(path) == md5):
-            return
-        self.urls.append(url)
-        self.behaviour(url, path)
-
-
 @pytest.fixture(autouse=True)
 def network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
-    fake = FakeNetwork()
-    monkeypatch.setattr(tv_utils, "download_url", fake.download_url)
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a test tried to open a URL")
-
-    monkeypatch.setattr(urllib.request, "urlopen", refuse)
-    return fake
+    return fake_network(monkeypatch)
 
 
 def write_imdb(root: Path) -> Path:
@@ -252,12 +224,18 @@ def test_the_archive_is_extracted_and_gives_the_same_data_as_the_folder(
     assert [p.name for p in archive.parent.iterdir() if p.name.startswith(".")] == []  # no staging folder left
 
 
-def test_a_download_is_checked_and_renamed_into_place(
-    tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
-) -> None:
+def serve_an_archive_of(imdb_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork) -> bytes:
+    """Make the fake network serve an archive of ``imdb_dir`` (the expected md5 set to its own); return its bytes."""
     payload = write_archive(imdb_dir / "aclImdb", tmp_path / "payload.tar.gz").read_bytes()
     monkeypatch.setattr(imdb, "IMDB_MD5", file_md5(tmp_path / "payload.tar.gz"))
     network.behaviour = lambda url, path: path.write_bytes(payload)
+    return payload
+
+
+def test_a_download_is_checked_and_renamed_into_place(
+    tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
+) -> None:
+    payload = serve_an_archive_of(imdb_dir, tmp_path, monkeypatch, network)
     data_dir = tmp_path / "fresh"
     dm = ready(data_dir, download=True)
     assert network.urls == [IMDB_URL]
@@ -288,9 +266,7 @@ def test_a_corrupt_download_is_reported_and_deleted(tmp_path: Path, network: Fak
 def test_a_stale_partial_file_is_not_taken_for_a_download(
     tmp_path: Path, imdb_dir: Path, monkeypatch: pytest.MonkeyPatch, network: FakeNetwork
 ) -> None:
-    payload = write_archive(imdb_dir / "aclImdb", tmp_path / "payload.tar.gz").read_bytes()
-    monkeypatch.setattr(imdb, "IMDB_MD5", file_md5(tmp_path / "payload.tar.gz"))
-    network.behaviour = lambda url, path: path.write_bytes(payload)
+    payload = serve_an_archive_of(imdb_dir, tmp_path, monkeypatch, network)
     data_dir = tmp_path / "fresh"
     data_dir.mkdir()
     (data_dir / "aclImdb_v1.tar.gz.part").write_bytes(b"left by a killed run")
@@ -347,13 +323,29 @@ def test_offline_the_error_names_the_path_the_url_and_the_alternatives(
         ("seed", -1),
         ("num_workers", -1),
         ("max_len", 1.5),
-        ("download", "no"),
+        ("max_len", True),
+        ("vocab_size", "100"),
         ("data_dir", ""),
     ],
 )
 def test_bad_arguments_are_refused_by_name(argument: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"IMDBDataModule\({argument}={value!r}\)"):
         IMDBDataModule(**{argument: value})
+
+
+# A flag that is not a bool is a wrong type: TypeError, as the plugin's and the models' flags raise.
+def test_a_download_flag_that_is_not_a_bool_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"IMDBDataModule\(download='no'\)` must be True or False"):
+        IMDBDataModule(download="no")  # type: ignore[arg-type]
+
+
+def test_numpy_ints_give_the_same_batches_and_plain_ints_in_the_hyperparameters(imdb_dir: Path) -> None:
+    plain = ready(imdb_dir, max_len=4)
+    numpy = ready(imdb_dir, max_len=np.int64(4), batch_size=np.int64(2), val_size=np.int32(1), min_freq=np.int64(2))
+    assert dict(numpy.hparams) == dict(plain.hparams)
+    assert all(type(numpy.hparams[key]) is type(plain.hparams[key]) for key in plain.hparams)
+    for numpy_batch, plain_batch in zip(numpy.test_dataloader(), plain.test_dataloader(), strict=True):
+        torch.testing.assert_close(numpy_batch, plain_batch)
 
 
 def test_a_validation_split_as_large_as_the_training_set_is_refused(imdb_dir: Path) -> None:

@@ -27,7 +27,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import FP16_ON_CPU_WARNING, INF, PRECISIONS, TinyRegressor, loader, make_net, make_trainer, mse, step_batch
+from helpers import (
+    FP16_ON_CPU_WARNING,
+    HALF,
+    INF,
+    PRECISIONS,
+    TinyRegressor,
+    loader,
+    make_net,
+    make_trainer,
+    mse,
+    step_batch,
+)
 from launch import WORLD, destroy_process_group, free_port, run_pool, scenario
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import FSDPStrategy
@@ -47,7 +58,6 @@ FAULT_RANK = 1
 FAULT_STEP = 3
 STEPS = 8
 MODES = [(precision, master_weights) for precision in PRECISIONS for master_weights in (False, True)]
-HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 N_PARAMS = sum(p.numel() for p in make_net().parameters())
 
 

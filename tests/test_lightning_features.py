@@ -22,7 +22,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FP16_ON_CPU_WARNING, TinyRegressor, loader, make_trainer, parameters_of
+from helpers import (
+    FP16_ON_CPU_WARNING,
+    START_SCALE,
+    TinyRegressor,
+    lightning_plugin,
+    loader,
+    make_trainer,
+    our_plugin,
+    parameters_of,
+)
 from lightning.pytorch.callbacks import (
     BackboneFinetuning,
     EarlyStopping,
@@ -49,8 +58,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*The number of training batches.*"),
 ]
 
-SCALE = 2.0**10  # a start scale that keeps these models clear of fp16 overflow, so the runs compare step for step
-
 
 @dataclass(frozen=True)
 class Mode:
@@ -62,29 +69,17 @@ class Mode:
 
 
 MODES = [Mode(p, m) for p in ("16-mixed", "bf16-mixed") for m in (False, True)]
-HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
 def ours(mode: Mode, growth_interval: int = 10_000, **kwargs: Any) -> MixedPrecisionPlugin:
-    scaler = (
-        DynamicLossScaler(init_scale=SCALE, growth_interval=growth_interval) if mode.precision == "16-mixed" else None
-    )
     # Lightning's plugin steps schedulers on skipped steps too; no scenario here skips, but keep the two alike.
-    return MixedPrecisionPlugin(
-        mode.precision,  # type: ignore[arg-type]
-        device="cpu",
-        scaler=scaler,
-        master_weights=mode.master_weights,
-        hold_schedulers_on_skip=False,
-        **kwargs,
+    return our_plugin(
+        mode.precision, growth_interval, master_weights=mode.master_weights, hold_schedulers_on_skip=False, **kwargs
     )
 
 
 def lightnings(mode: Mode, growth_interval: int = 10_000) -> MixedPrecision:
-    plugin = MixedPrecision(mode.precision, device="cpu")  # type: ignore[arg-type]
-    if plugin.scaler is not None:
-        plugin.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=growth_interval)
-    return plugin
+    return lightning_plugin(mode.precision, growth_interval)
 
 
 Run = Callable[[Precision], dict[str, Any]]
@@ -356,14 +351,14 @@ def test_a_scaler_assigned_after_construction_scales_unscales_checks_and_updates
         return {"params": parameters_of(model), "scales": scales}
 
     plugin = MixedPrecisionPlugin("16-mixed", device="cpu", master_weights=mode.master_weights)
-    plugin.scaler = DynamicLossScaler(init_scale=SCALE, growth_interval=3)  # as users do with Lightning's plugin
+    plugin.scaler = DynamicLossScaler(init_scale=START_SCALE, growth_interval=3)  # as users do with Lightning's plugin
     torch.manual_seed(0)
     expected = run(lightnings(mode, growth_interval=3))
     torch.manual_seed(0)
     actual = run(plugin)
     torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     assert plugin.scaler is not None and plugin.scaler.skipped_steps == 1
-    assert max(actual["scales"]) == SCALE * 2  # grew every 3 clean steps: the assigned scaler's policy
+    assert max(actual["scales"]) == START_SCALE * 2  # grew every 3 clean steps: the assigned scaler's policy
 
 
 def test_assigning_a_scaler_to_a_bf16_plugin_or_a_non_scaler_is_refused_with_the_way_out() -> None:

@@ -1,4 +1,4 @@
-"""FP32 master weights: ``MixedPrecisionPlugin(master_weights=True)`` and the half copies under it (``_master``)."""
+"""FP32 master weights: ``MixedPrecisionPlugin(master_weights=True)`` and its half copies (``numerics/master.py``)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,23 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import FP16_ON_CPU_WARNING, INF, PRECISIONS, TinyRegressor, loader, make_trainer, parameters_of
-from lightning.pytorch.plugins.precision import MixedPrecision
+from helpers import (
+    FP16_ON_CPU_WARNING,
+    HALF,
+    INF,
+    PRECISIONS,
+    StateAroundSteps,
+    TinyRegressor,
+    lightning_plugin,
+    loader,
+    make_trainer,
+    our_plugin,
+    parameters_of,
+)
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_amp_plus import MixedPrecisionPlugin
 from lightning_amp_plus.numerics.master import HalfCopies, default_half_modules, managed_parameters
 
 pytestmark = [
@@ -23,20 +34,10 @@ pytestmark = [
     # The resume tests take their batches from the step number, not the loader (see TinyRegressor.data_from_step).
     pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable.*"),
 ]
-HALF = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
 def ours(precision: str, **kwargs: Any) -> MixedPrecisionPlugin:
-    # A start scale of 2**10 keeps these small models clear of fp16 overflow, so runs compare step for step.
-    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=10_000) if precision == "16-mixed" else None
-    return MixedPrecisionPlugin(precision, device="cpu", scaler=scaler, master_weights=True, **kwargs)  # type: ignore[arg-type]
-
-
-def lightnings(precision: str) -> MixedPrecision:
-    plugin = MixedPrecision(precision, device="cpu")  # type: ignore[arg-type]
-    if plugin.scaler is not None:
-        plugin.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10_000)
-    return plugin
+    return our_plugin(precision, master_weights=True, **kwargs)
 
 
 def fit(model: pl.LightningModule, plugin: Any = None, steps: int = 24, **kwargs: Any) -> pl.Trainer:
@@ -263,7 +264,7 @@ def test_fp32_gradient_accumulation_equals_lightnings_mixed_accumulation(precisi
     # SGD: Adam would turn the half sums' rounding of near-zero gradients into full-size steps of either sign.
     reference = TinyRegressor(optimizer="sgd")
     model, half_accumulating = copy.deepcopy(reference), copy.deepcopy(reference)
-    fit(reference, lightnings(precision), accumulate_grad_batches=4)
+    fit(reference, lightning_plugin(precision), accumulate_grad_batches=4)
     fit(model, ours(precision, fp32_grad_accumulation=True), accumulate_grad_batches=4)
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
     # Summed in the half dtype instead, each partial sum is rounded to 11 (fp16) or 8 (bf16) bits, so the steps
@@ -341,29 +342,10 @@ class DtypesInStep(pl.Callback):
 
 
 # -------------------------------------------------------------------------------------------- skipped steps
-class Snapshots(pl.Callback):
-    """Model weights and Adam state around each optimizer step."""
-
-    def __init__(self) -> None:
-        self.before: list[list[Tensor]] = []
-        self.after: list[list[Tensor]] = []
-
-    def _state(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[Tensor]:
-        opt = trainer.optimizers[0]
-        state = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, Tensor)]
-        return parameters_of(module) + state
-
-    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-        self.before.append(self._state(trainer, module))
-
-    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
-        self.after.append(self._state(trainer, module))
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(precision: str) -> None:
     model = TinyRegressor(overflow_steps={4}, optimizer="adam", scheduler="step")
-    snapshots = Snapshots()
+    snapshots = StateAroundSteps()
     plugin = ours(precision)
     trainer = fit(model, plugin, steps=8, callbacks=[snapshots])
     assert plugin.skipped_steps == 1 and plugin.held_scheduler_steps == 1
@@ -419,7 +401,7 @@ def test_manual_optimization_with_zero_grad_and_clipping_matches_lightnings_mixe
     torch.manual_seed(0)
     reference = ManualTwoSteps()
     model = copy.deepcopy(reference)
-    fit(reference, lightnings("bf16-mixed"), steps=6)
+    fit(reference, lightning_plugin("bf16-mixed"), steps=6)
     plugin = ours("bf16-mixed")
     fit(model, plugin, steps=6)
     assert model.stale_grads == [0] * len(model.stale_grads)
@@ -555,7 +537,7 @@ def test_the_last_steps_gradients_are_freed_before_the_forward_unless_zero_grad_
     torch.manual_seed(0)
     reference = ZeroesInPlace()
     model = copy.deepcopy(reference)
-    fit(reference, lightnings(precision), steps=4)
+    fit(reference, lightning_plugin(precision), steps=4)
     fit(model, ours(precision), steps=4)
     assert model.alive == [0, 4, 4, 4]
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)

@@ -15,14 +15,21 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import FP16_ON_CPU_WARNING, TinyRegressor, loader, make_trainer, parameters_of
+from helpers import (
+    FP16_ON_CPU_WARNING,
+    TinyRegressor,
+    lightning_plugin,
+    loader,
+    make_trainer,
+    our_plugin,
+    parameters_of,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_amp_plus import MixedPrecisionPlugin
 
 pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
-SCALE = 2.0**10
 STEPS = 6
 OVERFLOW_STEP = 3  # fp16 only: Lightning's bf16 plugin does not skip a non-finite step (its weights would turn NaN)
 
@@ -58,21 +65,12 @@ CASES = [
 
 
 def ours(case: Case) -> MixedPrecisionPlugin:
-    scaler = DynamicLossScaler(init_scale=SCALE, growth_interval=10_000) if case.precision == "16-mixed" else None
-    return MixedPrecisionPlugin(
-        case.precision,  # type: ignore[arg-type]
-        device="cpu",
-        scaler=scaler,
-        master_weights=case.master_weights,
-        hold_schedulers_on_skip=False,  # as Lightning's, which steps schedulers on skipped steps
-    )
+    # hold_schedulers_on_skip=False: as Lightning's, which steps schedulers on skipped steps.
+    return our_plugin(case.precision, master_weights=case.master_weights, hold_schedulers_on_skip=False)
 
 
 def lightnings(case: Case) -> MixedPrecision:
-    plugin = MixedPrecision(case.precision, device="cpu")  # type: ignore[arg-type]
-    if plugin.scaler is not None:
-        plugin.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=10_000)
-    return plugin
+    return lightning_plugin(case.precision)
 
 
 def run(case: Case, plugin: Any, model: TinyRegressor) -> list[torch.Tensor]:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import inspect
+import io
 import math
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -389,6 +391,54 @@ def test_cnn_refuses_a_non_bool_batch_norm():
 def test_lstm_refuses_bad_arguments_naming_them(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ImdbLSTM(**kwargs)
+
+
+# ------------------------------------------------------------------------------------------------ NumPy numbers
+# Values a float32 holds exactly, so that the NumPy twin and the Python one are equal.
+MODEL_NUMBERS = {
+    "cnn": (tiny_cnn, {"num_classes": 10, "width": 4, "dropout": 0.25, "lr": 0.5, "momentum": 0.5, "weight_decay": 0}),
+    "lstm": (tiny_lstm, {"vocab_size": 50, "hidden_dim": 8, "pad_index": 3, "lr": 0.5, "weight_decay": 0.25}),
+}
+
+
+def as_numpy(value: float) -> Any:
+    return np.int64(value) if isinstance(value, int) else np.float32(value)
+
+
+@pytest.mark.parametrize("which", sorted(MODEL_NUMBERS))
+def test_numpy_numbers_build_the_same_model_with_python_numbers_in_its_hyperparameters(which):
+    build, numbers = MODEL_NUMBERS[which]
+    plain, numpy = build(**numbers), build(**{key: as_numpy(value) for key, value in numbers.items()})
+    assert dict(numpy.hparams) == dict(plain.hparams)
+    assert all(type(numpy.hparams[key]) is type(plain.hparams[key]) for key in plain.hparams)
+    # NumPy scalars in the hyperparameters would make checkpoints that torch.load(weights_only=True) refuses.
+    buffer = io.BytesIO()
+    torch.save(dict(numpy.hparams), buffer)
+    buffer.seek(0)
+    assert torch.load(buffer, weights_only=True) == dict(plain.hparams)
+    assert [p.shape for p in numpy.parameters()] == [p.shape for p in plain.parameters()]
+    numpy_groups, plain_groups = numpy.configure_optimizers().param_groups, plain.configure_optimizers().param_groups
+    assert [{k: v for k, v in g.items() if k != "params"} for g in numpy_groups] == [
+        {k: v for k, v in g.items() if k != "params"} for g in plain_groups
+    ]
+
+
+@pytest.mark.parametrize(
+    ("build", "kwargs", "message"),
+    [
+        (CifarCNN, {"width": True}, r"CifarCNN\(width=True\)` must be an int >= 1"),
+        (CifarCNN, {"lr": "0.1"}, r"CifarCNN\(lr='0.1'\)` must be a positive finite number"),
+        (CifarCNN, {"weight_decay": True}, r"CifarCNN\(weight_decay=True\)` must be a finite number >= 0"),
+        (CifarCNN, {"momentum": "0.9"}, r"CifarCNN\(momentum='0.9'\)` must be in \[0, 1\)"),
+        (CifarCNN, {"dropout": True}, r"CifarCNN\(dropout=True\)` must be a probability"),
+        (ImdbLSTM, {"vocab_size": 10, "pad_index": True}, r"ImdbLSTM\(pad_index=True\)` must be a token id"),
+        (ImdbLSTM, {"vocab_size": 10, "pad_index": "0"}, r"ImdbLSTM\(pad_index='0'\)` must be a token id"),
+        (ImdbLSTM, {"vocab_size": "10"}, r"ImdbLSTM\(vocab_size='10'\)` must be an int >= 2"),
+    ],
+)
+def test_a_bool_or_a_string_for_a_number_is_refused_naming_the_argument(build, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        build(**kwargs)
 
 
 def test_models_refuse_inputs_of_the_wrong_shape_with_the_fix():

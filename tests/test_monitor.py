@@ -24,9 +24,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
-from helpers import FP16_ON_CPU_WARNING, INF, TinyRegressor, loader, make_trainer
+from helpers import FP16_ON_CPU_WARNING, INF, PNG_SIGNATURE, TinyRegressor, loader, make_trainer
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -36,7 +37,6 @@ pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
 NAN = float("nan")
 ALL_PARAMETERS = ["net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"]
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 # ------------------------------------------------------------------------------------------------------ set-up
@@ -415,6 +415,40 @@ BAD_ARGUMENTS = [
 def test_bad_constructor_arguments_raise_value_error_naming_argument_and_value(kwargs, named):
     with pytest.raises(ValueError, match=re.escape(named)):
         MixedPrecisionMonitor(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"skip_window": True}, "skip_window=True"),
+        ({"skip_window": "100"}, "skip_window='100'"),
+        ({"check_interval": "1"}, "check_interval='1'"),
+        ({"skip_warn_rate": True}, "skip_warn_rate=True"),
+        ({"skip_warn_rate": "0.05"}, "skip_warn_rate='0.05'"),
+    ],
+)
+def test_a_bool_or_a_string_for_a_number_is_refused_naming_the_argument(kwargs, named):
+    with pytest.raises(ValueError, match=re.escape(f"MixedPrecisionMonitor({named})` must be")):
+        MixedPrecisionMonitor(**kwargs)
+
+
+def test_numpy_numbers_are_accepted_and_the_run_records_what_python_numbers_give():
+    numbers = {"check_interval": 2, "skip_window": 4, "skip_warn_rate": 0.5}
+    numpy_monitor = MixedPrecisionMonitor(
+        check_interval=np.int64(2), skip_window=np.int32(4), skip_warn_rate=np.float32(0.5)
+    )
+    assert {name: getattr(numpy_monitor, name) for name in numbers} == numbers
+    assert all(type(getattr(numpy_monitor, name)) is type(value) for name, value in numbers.items())
+    torch.manual_seed(0)
+    plain = fit(Faulty(overflow_steps={1}), fp16_plugin(), monitor=MixedPrecisionMonitor(**numbers))
+    torch.manual_seed(0)
+    numpy = fit(Faulty(overflow_steps={1}), fp16_plugin(), monitor=numpy_monitor)
+
+    def seen(run: SimpleNamespace) -> list[tuple[Any, ...]]:  # memory differs from run to run; nan != nan
+        return [(r.step, r.scale, r.skipped, repr(r.grad_norm)) for r in run.monitor.history.steps]
+
+    assert seen(numpy) == seen(plain) and len(seen(plain)) == 6
+    assert numpy.monitor.history.skipped == plain.monitor.history.skipped == [1]
 
 
 # ------------------------------------------------------------------------------------------ unguarded gradients

@@ -13,33 +13,30 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import FP16_ON_CPU_WARNING, PRECISIONS, TinyRegressor, loader, make_trainer, parameters_of
+from helpers import (
+    FP16_ON_CPU_WARNING,
+    PRECISIONS,
+    TinyRegressor,
+    lightning_plugin,
+    loader,
+    make_trainer,
+    our_plugin,
+    parameters_of,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
+from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
 
 pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
-SCALE = 2.0**10
-
 
 def ours(precision: str, master_weights: bool = False, **kwargs: Any) -> MixedPrecisionPlugin:
-    scaler = DynamicLossScaler(init_scale=SCALE, growth_interval=3) if precision == "16-mixed" else None
-    return MixedPrecisionPlugin(
-        precision,  # type: ignore[arg-type]
-        device="cpu",
-        scaler=scaler,
-        master_weights=master_weights,
-        **kwargs,
-    )
+    return our_plugin(precision, growth_interval=3, master_weights=master_weights, **kwargs)
 
 
 def lightnings(precision: str) -> MixedPrecision:
-    plugin = MixedPrecision(precision, device="cpu")  # type: ignore[arg-type]
-    if plugin.scaler is not None:
-        plugin.scaler = torch.amp.GradScaler("cpu", init_scale=SCALE, growth_interval=3)
-    return plugin
+    return lightning_plugin(precision, growth_interval=3)
 
 
 class ScaleWatch(pl.Callback):

@@ -10,10 +10,8 @@ backward overflows fp16 on its own at the first steps, and tests that count skip
 
 from __future__ import annotations
 
-import copy
 import math
 import re
-import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +27,7 @@ from helpers import (
     RecordingSGD,
     ScaleRecorder,
     TinyRegressor,
+    TrainingStateAfterBatches,
     global_norm,
     loader,
     make_net,
@@ -37,6 +36,7 @@ from helpers import (
     parameters_of,
     unscaled_reference_grads,
 )
+from launch import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
@@ -63,25 +63,6 @@ def plugin_for(precision: str, **scaler_kwargs: Any) -> MixedPrecisionPlugin:
         scaler = DynamicLossScaler(**{"init_scale": 2.0**10, **scaler_kwargs})
         return MixedPrecisionPlugin("16-mixed", device="cpu", scaler=scaler)
     return MixedPrecisionPlugin("bf16-mixed", device="cpu")
-
-
-class Snapshots(pl.Callback):
-    """After every training batch: the parameters, the optimizer state, the LR and the scheduler's position."""
-
-    def __init__(self) -> None:
-        self.taken: list[dict[str, Any]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        optimizer = trainer.optimizers[0]
-        configs = trainer.lr_scheduler_configs
-        self.taken.append(
-            {
-                "params": parameters_of(pl_module),
-                "state": copy.deepcopy(optimizer.state_dict()["state"]),
-                "lr": optimizer.param_groups[0]["lr"],
-                "last_epoch": configs[0].scheduler.last_epoch if configs else None,
-            }
-        )
 
 
 class HookGradients(pl.Callback):
@@ -370,7 +351,7 @@ def test_manual_clip_gradients_before_step_sees_unscaled_gradients_and_they_are_
 # ------------------------------------------------------------------------------------- skipped steps and LR schedulers
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_skipped_step_leaves_parameters_optimizer_state_and_learning_rate_untouched(precision):
-    snapshots = Snapshots()
+    snapshots = TrainingStateAfterBatches()
     plugin = plugin_for(precision)
     model = TinyRegressor(optimizer="adam", scheduler="step", overflow_steps=(3,))
     make_trainer(plugin, max_steps=6, callbacks=[snapshots]).fit(model, loader())
@@ -395,7 +376,7 @@ def test_skipped_steps_are_counted_by_the_plugin_and_by_trainer_scaler():
 
 
 def test_a_skipped_first_step_holds_the_scheduler_without_pytorch_order_warning():
-    snapshots = Snapshots()
+    snapshots = TrainingStateAfterBatches()
     model = TinyRegressor(optimizer="adam", scheduler="step", overflow_steps=(0,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -406,7 +387,7 @@ def test_a_skipped_first_step_holds_the_scheduler_without_pytorch_order_warning(
 
 def test_without_holding_schedulers_a_skipped_step_advances_the_scheduler_as_in_lightning():
     def fit(plugin: Any) -> list[float]:
-        snapshots = Snapshots()
+        snapshots = TrainingStateAfterBatches()
         model = TinyRegressor(optimizer="adam", scheduler="step", overflow_steps=(0,))
         with pytest.warns(UserWarning, match=re.escape(SCHEDULER_ORDER_WARNING)):
             make_trainer(plugin, max_steps=3, callbacks=[snapshots]).fit(model, loader())
@@ -437,7 +418,7 @@ def test_held_scheduler_keeps_its_class_and_state_dict_keys_and_gets_its_class_b
 
 # ------------------------------------------------------------------------------------------------------------- bf16
 def test_bf16_skips_a_step_with_non_finite_gradients_by_default():
-    snapshots = Snapshots()
+    snapshots = TrainingStateAfterBatches()
     plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu")
     trainer = make_trainer(plugin, max_steps=5, callbacks=[snapshots])
     trainer.fit(TinyRegressor(overflow_steps=(2,)), loader())
@@ -612,12 +593,6 @@ def test_a_bf16_checkpoint_resumed_under_fp16_raises_a_value_error_naming_both_p
 
 
 # ------------------------------------------------------------------------------------------------------ the skip limit
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture
 def single_process_ddp(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Trainer arguments for DDP with one CPU process, so the model is really wrapped (names gain "module.").
@@ -625,7 +600,7 @@ def single_process_ddp(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, An
     The variables Lightning sets for the process group are set here first, so that monkeypatch removes them again;
     the process group is destroyed afterwards.
     """
-    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "NODE_RANK": "0", "LOCAL_RANK": "0"}
+    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "LOCAL_RANK": "0"}
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
     yield {"strategy": "ddp", "devices": 1}

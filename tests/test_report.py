@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import PNG_SIGNATURE
 
 from lightning_amp_plus.cli.compare import ConfigResult
 from lightning_amp_plus.report import (
@@ -22,7 +23,6 @@ from lightning_amp_plus.report import (
     write_comparison_chart,
 )
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 ROUTINE = "overflowed gradients"  # the monitor's kind for a step the scaler skipped
 
 

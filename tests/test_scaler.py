@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_parameters, host_reads
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -54,11 +54,6 @@ def train(
         scaler.update()
         scales.append(scaler.get_scale())
     return scales, model
-
-
-def assert_same_parameters(a: nn.Module, b: nn.Module, **tol: float) -> None:
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(pa, pb, msg=lambda m, name=name: f"{name}: {m}", **tol)
 
 
 # ------------------------------------------------------------------------------------------------------------ parity
@@ -422,43 +417,25 @@ def test_a_saved_scale_outside_the_bounds_is_clamped_with_a_warning() -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ host syncs
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "numpy", "cpu")
-
-
-@contextmanager
-def count_host_reads(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> Iterator[None]:
-    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    with monkeypatch.context() as m:
-        for name in HOST_READS:
-            m.setattr(torch.Tensor, name, spy(name, getattr(torch.Tensor, name)))
-        yield
-
-
-def test_update_reads_nothing_back_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_update_reads_nothing_back_from_the_device() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler()
     scaler.scale(model(torch.randn(2, 8)).sum()).backward()
     scaler.step(opt)
     calls: list[str] = []
-    with count_host_reads(monkeypatch, calls):
+    with host_reads(calls):
         scaler.update()
     assert calls == []
 
 
-def test_a_clean_step_reads_from_the_device_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_clean_step_reads_from_the_device_exactly_once() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler()
     scaler.scale(model(torch.randn(2, 8)).sum()).backward()
     calls: list[str] = []
-    with count_host_reads(monkeypatch, calls):
+    with host_reads(calls):
         scaler.unscale_(opt)
         scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)

@@ -8,7 +8,6 @@ rank alone makes its gradient non-finite at one step (a rank-local fault). The o
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from launch import free_port
 from torch import Tensor, nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -81,12 +81,6 @@ def worker(rank: int, port: int, out: str) -> None:
     finally:
         dist.destroy_process_group()
     torch.save(results, Path(out) / f"rank{rank}.pt")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from helpers import assert_same_parameters, host_reads
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
@@ -92,11 +92,6 @@ def assert_same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> Non
             torch.testing.assert_close(value, sb[index][key], rtol=0, atol=0, msg=f"state[{index}][{key}]")
 
 
-def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
-        torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=lambda m, name=name: f"{name}: {m}")
-
-
 # ------------------------------------------------------------------------------------ parity with GradScaler
 @pytest.mark.parametrize(("opt_cls", "kwargs"), FUSED)
 def test_parameters_and_optimizer_state_are_bit_identical_to_grad_scaler_with_the_same_fused_optimizer(
@@ -173,30 +168,6 @@ def test_a_first_step_skipped_by_fused_sgd_with_momentum_leaves_no_buffers() -> 
 
 
 # ---------------------------------------------------------------------------------------------- host reads
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "__array__")
-
-
-@contextmanager
-def host_reads(calls: list[str]) -> Iterator[None]:
-    """Record every Python-level read of a tensor's value."""
-    originals = {name: getattr(Tensor, name) for name in HOST_READS if hasattr(Tensor, name)}
-
-    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, original in originals.items():
-            setattr(Tensor, name, spy(name, original))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(Tensor, name, original)
-
-
 def scalar_reads_outside_the_optimizer(prof: profile) -> int:
     """``aten::_local_scalar_dense`` events (a device value read on the host) not made by the optimizer's step.
 

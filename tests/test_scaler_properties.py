@@ -1,8 +1,9 @@
 """Property-based tests: the loss scaler's state machine against a plain-Python reference model of its policy.
 
 The reference (:class:`Reference`) is written from the docstrings of ``ScalePolicy`` and ``DynamicLossScaler``, not from
-``_policy``'s code: it counts the overflows since the last growth (where the package counts a hysteresis tracker down)
-and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 -> float32 cast).
+the code of ``numerics/policy.py``: it counts the overflows since the last growth (where the package counts a hysteresis
+tracker down) and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 ->
+float32 cast).
 
 Every test is derandomized (``derandomize=True``, no example database) so CI sees the same examples on every run.
 The end-to-end properties draw the optimizer too: plain SGD (the unscale path, one host read per step) or fused SGD
@@ -16,13 +17,14 @@ import io
 import math
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+from helpers import host_reads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import Tensor, nn
@@ -285,35 +287,6 @@ class Toy:
 
     def values(self) -> Tensor:
         return torch.cat([p.detach().reshape(-1) for p in self.params]).clone()
-
-
-# Tensor methods that copy a device value to the host.
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "__array__")
-
-
-@contextmanager
-def host_reads(calls: list[str]) -> Iterator[None]:
-    """Record every host read of a tensor made inside the block.
-
-    Hand-made rather than pytest's ``monkeypatch``: hypothesis runs many examples in one test call, and a
-    function-scoped fixture would be shared by all of them.
-    """
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS if hasattr(torch.Tensor, name)}
-
-    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, spy(name, original))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def assert_invariants(scaler: DynamicLossScaler, hyper: Hyper) -> None:

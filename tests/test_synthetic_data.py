@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_trainer
@@ -208,13 +209,67 @@ def test_imdb_module_refuses_bad_arguments_naming_them(kwargs, message):
         SyntheticIMDBDataModule(**kwargs)
 
 
+# ------------------------------------------------------------------------------------------------ NumPy numbers
+# NumPy numbers are accepted and kept as Python ones: the DataLoader refuses a NumPy batch_size, and hyperparameters
+# holding NumPy scalars make checkpoints that torch.load(weights_only=True) refuses.
+@pytest.mark.parametrize(
+    ("make", "numpy_kwargs"),
+    [
+        (cifar, {"num_train": np.int64(40), "batch_size": np.int64(8), "seed": np.int32(0), "noise": np.float32(0.25)}),
+        (
+            imdb,
+            {
+                "vocab_size": np.int64(60),
+                "max_len": np.int64(12),
+                "batch_size": np.int64(8),
+                "num_workers": np.int64(0),
+            },
+        ),
+    ],
+    ids=["cifar", "imdb"],
+)
+def test_numpy_numbers_give_the_same_data_as_python_numbers_and_are_kept_as_python_numbers(make, numpy_kwargs):
+    plain = make(**{key: value.item() for key, value in numpy_kwargs.items()})
+    numpy = make(**numpy_kwargs)
+    assert dict(numpy.hparams) == dict(plain.hparams)
+    assert all(type(numpy.hparams[key]) is type(plain.hparams[key]) for key in plain.hparams)
+    for numpy_batch, plain_batch in zip(first_batches(numpy), first_batches(plain), strict=True):
+        torch.testing.assert_close(numpy_batch, plain_batch)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"noise": True}, r"SyntheticCIFAR10DataModule\(noise=True\)` must be a finite number >= 0"),
+        ({"noise": "0.3"}, r"SyntheticCIFAR10DataModule\(noise='0.3'\)` must be a finite number >= 0"),
+        ({"image_size": "8"}, r"SyntheticCIFAR10DataModule\(image_size='8'\)` must be an int >= 4"),
+        ({"batch_size": True}, r"SyntheticCIFAR10DataModule\(batch_size=True\)` must be an int >= 1"),
+    ],
+)
+def test_a_bool_or_a_string_for_a_number_is_refused_naming_the_argument(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cifar(**kwargs)
+
+
+def test_pad_collate_takes_numpy_labels_and_pad_index_as_python_ones():
+    samples = [(torch.tensor([4, 5]), 1), (torch.tensor([6, 7, 8]), 0)]
+    numpy_samples = [(tokens, np.int64(label)) for tokens, label in samples]
+    torch.testing.assert_close(pad_collate(numpy_samples, pad_index=np.int64(2)), pad_collate(samples, pad_index=2))
+
+
+@pytest.mark.parametrize("pad_index", [True, "0", 1.0])
+def test_pad_collate_refuses_a_pad_index_that_is_not_an_int_naming_it(pad_index):
+    with pytest.raises(TypeError, match=rf"pad_collate\(pad_index={pad_index!r}\) must be an int"):
+        pad_collate([(torch.tensor([1]), 1)], pad_index=pad_index)
+
+
 def test_the_smallest_vocabulary_still_has_a_neutral_word():
     reviews = synthetic_reviews(20, vocab_size=5, min_len=5, max_len=5)
     assert {token for tokens in reviews.sequences for token in tokens.tolist()} <= {1, 2, 3, 4}
 
 
 def test_synthetic_images_are_normalised_with_the_real_cifar_modules_statistics():
-    # synthetic.py keeps its own copy so that it never imports torchvision; this keeps the two from drifting apart.
+    # Both modules export the one definition in data/_cifar_stats.py (apart from cifar.py: no torchvision import).
     from lightning_amp_plus.data import cifar
 
     assert (CIFAR10_MEAN, CIFAR10_STD) == (cifar.CIFAR10_MEAN, cifar.CIFAR10_STD)

@@ -60,7 +60,7 @@ from lightning_amp_plus.cli._runs import (
     resolve_precision,
 )
 from lightning_amp_plus.cli._settings import model_hparams, train_settings
-from lightning_amp_plus.precision import MixedPrecisionPlugin
+from lightning_amp_plus.precision import skipped_steps
 
 __all__ = [
     "CONFIGS",
@@ -144,8 +144,9 @@ class ConfigResult:
 class StepTimer(Callback):
     """Times each training batch (forward, backward, optimizer step), records its loss, counts skipped steps.
 
-    Skips are read from ``MixedPrecisionPlugin`` at the end; under ``torch.amp.GradScaler`` a skipped step is the
-    one after which the scale went down. Scale reads and loss reads happen outside the timed span.
+    Skips are read with :func:`~lightning_amp_plus.precision.skipped_steps` at the end; under ``torch.amp.GradScaler``,
+    which counts none, a skipped step is the one after which the scale went down. Scale reads and loss reads happen
+    outside the timed span.
 
     Example:
         >>> StepTimer("cpu").median_ms(warmup=0)
@@ -271,8 +272,8 @@ def run_config(spec: RunSpec) -> ConfigResult:
         )
         metrics = validated[0]
     seconds = time.perf_counter() - start
-    plugin = trainer.precision_plugin
-    skipped = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else timer.scale_drops
+    counted = skipped_steps(trainer)
+    skipped = timer.scale_drops if counted is None else counted  # GradScaler counts none: its scale drops are the skips
     losses = timer.losses[-_LOSS_WINDOW:]
     return ConfigResult(
         config=spec.config,

@@ -32,7 +32,7 @@ from lightning_amp_plus.cli._runs import (
 )
 from lightning_amp_plus.cli._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
 from lightning_amp_plus.monitor import MixedPrecisionMonitor
-from lightning_amp_plus.precision import MixedPrecisionPlugin
+from lightning_amp_plus.precision import skipped_steps
 
 __all__ = ["train"]
 
@@ -81,7 +81,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 raise _stopped(stop, trainer, [], amp, during="the final validation") from None
     seconds = time.perf_counter() - start
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    plugin = trainer.precision_plugin
     result = {
         "task": args.task,
         "data": args.data,
@@ -94,7 +93,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "val_acc": metrics.get("val/acc"),
         "val_loss": metrics.get("val/loss"),
         "train_loss": metrics.get("train/loss_epoch", metrics.get("train/loss")),
-        "skipped_steps": plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0,
+        "skipped_steps": skipped_steps(trainer),
     }
     if trainer.is_global_zero:
         _print_result(result, batches)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from lightning_amp_plus.numerics.checks import is_int, show
 
 __all__ = ["pad_collate"]
 
@@ -32,8 +35,8 @@ def pad_collate(
     """
     if len(batch) == 0:
         raise ValueError("pad_collate(batch=[]): the batch is empty; a DataLoader never passes one, check the caller.")
-    if isinstance(pad_index, bool) or not isinstance(pad_index, int):
-        raise TypeError(f"pad_collate(pad_index={pad_index!r}) must be an int, the id of the padding token.")
+    if not is_int(pad_index):
+        raise TypeError(f"pad_collate(pad_index={show(pad_index)}) must be an int, the id of the padding token.")
     sequences = [_tokens(sample, index) for index, sample in enumerate(batch)]
     lengths = torch.tensor([len(sequence) for sequence in sequences], dtype=torch.long)
     # At least one column, so that a batch of empty sequences is still a valid [B, T] input.
@@ -63,6 +66,7 @@ def _label(label: int | float | Tensor, index: int) -> float:
                 f"pad_collate: the label of batch[{index}] has shape {tuple(label.shape)}; expected one number."
             )
         return float(label.item())
-    if isinstance(label, (int, float)):
+    # Any real number, NumPy's included (a dataset built from arrays yields np.int64 labels); a bool is 1.0 or 0.0.
+    if isinstance(label, numbers.Real):
         return float(label)
     raise TypeError(f"pad_collate: the label of batch[{index}] is {type(label).__name__}; expected a number.")

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -20,15 +19,12 @@ from torchvision import transforms
 from torchvision.datasets import CIFAR10
 from typing_extensions import override
 
+from lightning_amp_plus.data._cifar_stats import CIFAR10_MEAN, CIFAR10_STD
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset, file_md5
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.data._loaders import SplitDataModule
+from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "DatasetUnavailableError"]
-
-# Per-channel mean and standard deviation of the 50,000 training images (pixels scaled to [0, 1]). The often-copied
-# (0.2023, 0.1994, 0.2010) is the mean of per-image deviations, not the dataset's deviation.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 _Item = tuple[Tensor, int]
 
@@ -78,12 +74,13 @@ class _Subset(Dataset[_Item]):
         return self.transform(image), int(label)
 
 
-class CIFAR10DataModule(pl.LightningDataModule):
+class CIFAR10DataModule(SplitDataModule):
     """CIFAR-10 with standard normalisation, train-only augmentation and a seeded train/validation split.
 
     Batches are ``(images, labels)``: float32 ``[B, 3, 32, 32]`` normalised with :data:`CIFAR10_MEAN` /
     :data:`CIFAR10_STD`, and int64 ``[B]`` class ids. Training images are randomly cropped (32 px after 4 px zero
-    padding) and flipped horizontally when ``augment`` is on; validation and test images are only normalised.
+    padding) and flipped horizontally when ``augment`` is on; validation and test images are only normalised. The test
+    (and predict) batches are the official 10,000 test images.
 
     Args:
         data_dir: the folder holding ``cifar-10-batches-py`` or ``cifar-10-python.tar.gz`` (or where to download it).
@@ -117,13 +114,13 @@ class CIFAR10DataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`CIFAR10DataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        check_int("CIFAR10DataModule", "batch_size", batch_size, 1)
-        check_int("CIFAR10DataModule", "num_workers", num_workers, 0)
-        check_int("CIFAR10DataModule", "val_size", val_size, 1)
-        check_int("CIFAR10DataModule", "seed", seed, 0)
-        for name, flag in (("augment", augment), ("download", download)):
-            if not isinstance(flag, bool):
-                raise ValueError(f"`CIFAR10DataModule({name}={flag!r})` is invalid: {name} must be True or False.")
+        # Plain Python ints from the checks: save_hyperparameters reads these locals.
+        batch_size = check_int("CIFAR10DataModule", "batch_size", batch_size, 1)
+        num_workers = check_int("CIFAR10DataModule", "num_workers", num_workers, 0)
+        val_size = check_int("CIFAR10DataModule", "val_size", val_size, 1)
+        seed = check_int("CIFAR10DataModule", "seed", seed, 0)
+        check_bool("CIFAR10DataModule", "augment", augment)
+        check_bool("CIFAR10DataModule", "download", download)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size
@@ -201,35 +198,19 @@ class CIFAR10DataModule(pl.LightningDataModule):
             test = CIFAR10(root, train=False, download=False)
             self.test_set = _Subset(test, range(len(test)), self.eval_transform())
 
-    def _loader(self, dataset: Dataset[_Item] | None, name: str, shuffle: bool) -> DataLoader[_Item]:
+    @override
+    def _dataset(self, split: str) -> Dataset[_Item]:
+        dataset = {"train": self.train_set, "val": self.val_set, "test": self.test_set}[split]
         if dataset is None:
-            stage = "test" if name == "test" else "fit"
-            raise RuntimeError(f"CIFAR10DataModule.{name}_dataloader() needs setup('{stage}') first.")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
+            stage = "test" if split == "test" else "fit"
+            raise RuntimeError(f"CIFAR10DataModule.{split}_dataloader() needs setup('{stage}') first.")
+        return dataset
 
     @override
-    def train_dataloader(self) -> DataLoader[_Item]:
-        """Shuffled, augmented training batches."""
-        return self._loader(self.train_set, "train", shuffle=True)
-
-    @override
-    def val_dataloader(self) -> DataLoader[_Item]:
-        """Validation batches, in a fixed order."""
-        return self._loader(self.val_set, "val", shuffle=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader[_Item]:
-        """The official test set, in a fixed order."""
-        return self._loader(self.test_set, "test", shuffle=False)
+    def _pin_memory(self) -> bool:
+        return torch.cuda.is_available()
 
     @override
     def predict_dataloader(self) -> DataLoader[_Item]:
         """The official test set, in a fixed order."""
-        return self._loader(self.test_set, "test", shuffle=False)
+        return self._loader("test", shuffle=False)

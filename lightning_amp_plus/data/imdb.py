@@ -13,11 +13,11 @@ import hashlib
 import json
 import os
 import warnings
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -25,8 +25,9 @@ from typing_extensions import override
 
 from lightning_amp_plus.data._collate import pad_collate
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset
+from lightning_amp_plus.data._loaders import SplitDataModule
 from lightning_amp_plus.data._text import PAD_INDEX, Vocabulary, tokenize
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["IMDB_MD5", "IMDB_URL", "DatasetUnavailableError", "IMDBDataModule"]
 
@@ -101,7 +102,7 @@ def _pack(reviews: list[list[int]], labels: list[int], lookup: Tensor, max_len: 
     return {"ids": lookup[flat].to(torch.int32), "offsets": offsets, "labels": torch.tensor(labels, dtype=torch.long)}
 
 
-class IMDBDataModule(pl.LightningDataModule):
+class IMDBDataModule(SplitDataModule):
     """IMDB movie reviews as ``(tokens, lengths, labels)`` batches for binary sentiment classification.
 
     Batches come from :func:`~lightning_amp_plus.data._collate.pad_collate`: ``tokens`` int64 ``[B, T]`` padded with
@@ -152,15 +153,15 @@ class IMDBDataModule(pl.LightningDataModule):
         super().__init__()
         if not isinstance(data_dir, str | Path) or str(data_dir) == "":
             raise ValueError(f"`IMDBDataModule(data_dir={data_dir!r})` is invalid: give a folder path.")
-        check_int("IMDBDataModule", "batch_size", batch_size, 1)
-        check_int("IMDBDataModule", "max_len", max_len, 1)
-        check_int("IMDBDataModule", "vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
-        check_int("IMDBDataModule", "min_freq", min_freq, 1)
-        check_int("IMDBDataModule", "val_size", val_size, 1)
-        check_int("IMDBDataModule", "seed", seed, 0)
-        check_int("IMDBDataModule", "num_workers", num_workers, 0)
-        if not isinstance(download, bool):
-            raise ValueError(f"`IMDBDataModule(download={download!r})` is invalid: download must be True or False.")
+        # Plain Python ints from the checks: save_hyperparameters reads these locals.
+        batch_size = check_int("IMDBDataModule", "batch_size", batch_size, 1)
+        max_len = check_int("IMDBDataModule", "max_len", max_len, 1)
+        vocab_size = check_int("IMDBDataModule", "vocab_size", vocab_size, 3)  # <pad>, <unk> and at least one word
+        min_freq = check_int("IMDBDataModule", "min_freq", min_freq, 1)
+        val_size = check_int("IMDBDataModule", "val_size", val_size, 1)
+        seed = check_int("IMDBDataModule", "seed", seed, 0)
+        num_workers = check_int("IMDBDataModule", "num_workers", num_workers, 0)
+        check_bool("IMDBDataModule", "download", download)
         self.save_hyperparameters()
         self.data_dir = Path(data_dir).expanduser()
         self.batch_size = batch_size
@@ -295,35 +296,22 @@ class IMDBDataModule(pl.LightningDataModule):
         self.vocab_size = len(self.vocab)
         self.train_set, self.val_set, self.test_set = (_Reviews(**encoded[split]) for split in ("train", "val", "test"))
 
-    def _loader(self, dataset: _Reviews | None, name: str, shuffle: bool) -> DataLoader[_Item]:
+    @override
+    def _dataset(self, split: str) -> Dataset[_Item]:
+        dataset = {"train": self.train_set, "val": self.val_set, "test": self.test_set}[split]
         if dataset is None:
-            raise RuntimeError(f"IMDBDataModule.{name}_dataloader() needs setup() first.")
-        return DataLoader(
-            dataset,
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=partial(pad_collate, pad_index=self.pad_index),
-            pin_memory=torch.cuda.is_available(),
-        )
+            raise RuntimeError(f"IMDBDataModule.{split}_dataloader() needs setup() first.")
+        return dataset
 
     @override
-    def train_dataloader(self) -> DataLoader[_Item]:
-        """Shuffled training batches."""
-        return self._loader(self.train_set, "train", shuffle=True)
+    def _collate(self) -> Callable[[list[Any]], Any]:
+        return partial(pad_collate, pad_index=self.pad_index)
 
     @override
-    def val_dataloader(self) -> DataLoader[_Item]:
-        """Validation batches, in a fixed order."""
-        return self._loader(self.val_set, "val", shuffle=False)
-
-    @override
-    def test_dataloader(self) -> DataLoader[_Item]:
-        """The official test reviews, in a fixed order."""
-        return self._loader(self.test_set, "test", shuffle=False)
+    def _pin_memory(self) -> bool:
+        return torch.cuda.is_available()
 
     @override
     def predict_dataloader(self) -> DataLoader[_Item]:
         """The official test reviews, in a fixed order."""
-        return self._loader(self.test_set, "test", shuffle=False)
+        return self._loader("test", shuffle=False)

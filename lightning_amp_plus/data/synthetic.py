@@ -1,4 +1,4 @@
-"""Learnable stand-ins for CIFAR-10 and IMDB, generated offline from a seed: for tests, demos and CPU-only machines.
+"""Learnable stand-ins for CIFAR-10 and IMDB, generated offline from a seed: for tests, examples and CPU-only machines.
 
 Both tasks are learnable, not trivial: a class is a pattern that each sample shows only partly, under random shifts and
 noise (images), or diluted among neutral words (token sequences), so an untrained model scores about chance and a small
@@ -9,15 +9,20 @@ validation and test sets are disjoint draws of the same task.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import Dataset, TensorDataset
+from typing_extensions import override
 
+# Synthetic images are normalised with the real CIFAR-10 statistics (re-exported here, see __all__).
+from lightning_amp_plus.data._cifar_stats import CIFAR10_MEAN, CIFAR10_STD
 from lightning_amp_plus.data._collate import pad_collate
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.data._loaders import SplitDataModule
+from lightning_amp_plus.data._text import PAD_INDEX, UNK_INDEX
+from lightning_amp_plus.numerics.checks import check_int, check_nonnegative
 
 __all__ = [
     "CIFAR10_MEAN",
@@ -28,15 +33,41 @@ __all__ = [
     "synthetic_reviews",
 ]
 
-# Per-channel statistics of the CIFAR-10 training set: synthetic images are normalised as the real ones are.
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-
 # Splits are independent draws of one task: each gets its own generator stream.
 _SPLITS = {"train": 1, "val": 2, "test": 3}
-PAD_INDEX = 0
-UNK_INDEX = 1
-_RESERVED = 2  # ids 0 (padding) and 1 (<unk>) are never drawn as words
+_RESERVED = 2  # ids 0 (padding, PAD_INDEX) and 1 (<unk>, UNK_INDEX) are never drawn as words
+
+
+_Set = TypeVar("_Set", bound=Dataset[Any])
+
+
+class _SyntheticDataModule(SplitDataModule, Generic[_Set]):
+    """What both synthetic modules share: the sets generated on first use, the training order fixed by ``seed``."""
+
+    datasets: dict[str, _Set]
+
+    def _generate(self, size: int, split: int) -> _Set:
+        """``size`` samples of the draw ``split`` of the task (see :data:`_SPLITS`)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _generate(size, split).")
+
+    @override
+    def setup(self, stage: str | None = None) -> None:
+        """Generate the three sets (once: later calls keep them)."""
+        hp = self.hparams
+        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
+        for split, size in sizes.items():
+            if split not in self.datasets:
+                self.datasets[split] = self._generate(size, _SPLITS[split])
+
+    @override
+    def _dataset(self, split: str) -> Dataset[Any]:
+        self.setup()
+        return self.datasets[split]
+
+    @override
+    def _shuffle_generator(self) -> torch.Generator:
+        # A generator of our own: the shuffled order follows `seed`, not whatever the global RNG holds.
+        return torch.Generator().manual_seed(self.hparams["seed"])
 
 
 # ----------------------------------------------------------------------------------------------------------- images
@@ -55,8 +86,9 @@ def synthetic_images(
         >>> tuple(images.shape), images.dtype, sorted(labels.tolist())
         ((4, 3, 8, 8), torch.float32, [0, 0, 1, 1])
     """
-    for name, value, minimum in (("n", n, 1), ("image_size", image_size, 1), ("num_classes", num_classes, 2)):
-        check_int("synthetic_images", name, value, minimum)
+    n = check_int("synthetic_images", "n", n, 1)
+    image_size = check_int("synthetic_images", "image_size", image_size, 1)
+    num_classes = check_int("synthetic_images", "num_classes", num_classes, 2)
     task = torch.Generator().manual_seed(seed)
     # Orientations spread evenly over half a turn, in a seeded order; frequencies 1.5-3 cycles per image.
     angles = torch.randperm(num_classes, generator=task).double() * math.pi / num_classes
@@ -84,7 +116,7 @@ def synthetic_images(
     return ((pixels.clamp(0, 1) - mean) / std).float(), labels
 
 
-class SyntheticCIFAR10DataModule(pl.LightningDataModule):
+class SyntheticCIFAR10DataModule(_SyntheticDataModule[TensorDataset]):
     """CIFAR-10-shaped images of learnable classes (see :func:`synthetic_images`), generated in memory.
 
     Batches are ``(images float[B, 3, S, S], labels long[B])`` like the real CIFAR-10 module's. The test set is a
@@ -122,46 +154,26 @@ class SyntheticCIFAR10DataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "num_train", num_train, 1)
-        check_int(name, "num_val", num_val, 1)
-        check_int(name, "image_size", image_size, 4)
-        check_int(name, "num_classes", num_classes, 2)
-        check_int(name, "batch_size", batch_size, 1)
-        check_int(name, "seed", seed, 0)
-        check_int(name, "num_workers", num_workers, 0)
-        if isinstance(noise, bool) or not isinstance(noise, (int, float)) or not 0 <= noise < math.inf:
-            raise ValueError(f"`{name}(noise={noise!r})` must be a finite number >= 0, e.g. 0.3 (0: no pixel noise).")
+        # Plain Python numbers from the checks: save_hyperparameters reads these locals.
+        num_train = check_int(name, "num_train", num_train, 1)
+        num_val = check_int(name, "num_val", num_val, 1)
+        image_size = check_int(name, "image_size", image_size, 4)
+        num_classes = check_int(name, "num_classes", num_classes, 2)
+        batch_size = check_int(name, "batch_size", batch_size, 1)
+        seed = check_int(name, "seed", seed, 0)
+        num_workers = check_int(name, "num_workers", num_workers, 0)
+        noise = check_nonnegative(name, "noise", noise, hint=", e.g. 0.3 (0: no pixel noise)")
         self.save_hyperparameters()
         self.num_classes = num_classes
         self.batch_size = batch_size
-        self.datasets: dict[str, TensorDataset] = {}
+        self.num_workers = num_workers
+        self.datasets = {}
 
-    def setup(self, stage: str | None = None) -> None:
-        """Generate the three sets (once: later calls keep them)."""
+    @override
+    def _generate(self, size: int, split: int) -> TensorDataset:
         hp = self.hparams
-        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
-        for split, size in sizes.items():
-            if split not in self.datasets:
-                images, labels = synthetic_images(
-                    size, hp["image_size"], hp["num_classes"], hp["noise"], hp["seed"], _SPLITS[split]
-                )
-                self.datasets[split] = TensorDataset(images, labels)
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        """Shuffled training batches, in an order fixed by ``seed``."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        """Validation batches, in order."""
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        """Test batches, in order."""
-        return self._loader("test", shuffle=False)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader[Any]:
-        self.setup()
-        return _dataloader(self.datasets[split], self.batch_size, shuffle, self.hparams, collate_fn=None)
+        images, labels = synthetic_images(size, hp["image_size"], hp["num_classes"], hp["noise"], hp["seed"], split)
+        return TensorDataset(images, labels)
 
 
 # ----------------------------------------------------------------------------------------------------------- reviews
@@ -211,9 +223,10 @@ def synthetic_reviews(
         >>> tokens.dtype, 3 <= len(tokens) <= 6, sorted(reviews.labels)
         (torch.int64, True, [0, 0, 1, 1])
     """
-    for name, value, minimum in (("n", n, 1), ("vocab_size", vocab_size, 5), ("min_len", min_len, 1)):
-        check_int("synthetic_reviews", name, value, minimum)
-    check_int("synthetic_reviews", "max_len", max_len, min_len)
+    n = check_int("synthetic_reviews", "n", n, 1)
+    vocab_size = check_int("synthetic_reviews", "vocab_size", vocab_size, 5)
+    min_len = check_int("synthetic_reviews", "min_len", min_len, 1)
+    max_len = check_int("synthetic_reviews", "max_len", max_len, min_len)
     words = vocab_size - _RESERVED
     per_class = max(1, words // 10) if sentiment_words is None else sentiment_words
     if per_class < 1 or 2 * per_class >= words:
@@ -241,7 +254,7 @@ def synthetic_reviews(
     return TokenSequences(sequences, labels.tolist())
 
 
-class SyntheticIMDBDataModule(pl.LightningDataModule):
+class SyntheticIMDBDataModule(_SyntheticDataModule[TokenSequences]):
     """IMDB-shaped token sequences of a learnable binary sentiment task (see :func:`synthetic_reviews`).
 
     Batches are ``(tokens long[B, T], lengths long[B], labels float[B])`` from
@@ -283,66 +296,33 @@ class SyntheticIMDBDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "num_train", num_train, 1)
-        check_int(name, "num_val", num_val, 1)
-        check_int(name, "vocab_size", vocab_size, 5)
-        check_int(name, "min_len", min_len, 1)
-        check_int(name, "max_len", max_len, 1)
+        # Plain Python numbers from the checks: save_hyperparameters reads these locals.
+        num_train = check_int(name, "num_train", num_train, 1)
+        num_val = check_int(name, "num_val", num_val, 1)
+        vocab_size = check_int(name, "vocab_size", vocab_size, 5)
+        min_len = check_int(name, "min_len", min_len, 1)
+        max_len = check_int(name, "max_len", max_len, 1)
         if max_len < min_len:
             raise ValueError(f"`{name}(min_len={min_len}, max_len={max_len})`: max_len must be >= min_len.")
-        check_int(name, "batch_size", batch_size, 1)
-        check_int(name, "seed", seed, 0)
-        check_int(name, "num_workers", num_workers, 0)
+        batch_size = check_int(name, "batch_size", batch_size, 1)
+        seed = check_int(name, "seed", seed, 0)
+        num_workers = check_int(name, "num_workers", num_workers, 0)
         self.save_hyperparameters()
         self.vocab_size = vocab_size
         self.pad_index = PAD_INDEX
         self.unk_index = UNK_INDEX
         self.batch_size = batch_size
-        self.datasets: dict[str, TokenSequences] = {}
+        self.num_workers = num_workers
+        self.datasets = {}
 
-    def setup(self, stage: str | None = None) -> None:
-        """Generate the three sets (once: later calls keep them)."""
+    @override
+    def _generate(self, size: int, split: int) -> TokenSequences:
         hp = self.hparams
-        sizes = {"train": hp["num_train"], "val": hp["num_val"], "test": hp["num_val"]}
-        for split, size in sizes.items():
-            if split not in self.datasets:
-                self.datasets[split] = synthetic_reviews(
-                    size, hp["vocab_size"], hp["min_len"], hp["max_len"], hp["seed"], _SPLITS[split]
-                )
+        return synthetic_reviews(size, hp["vocab_size"], hp["min_len"], hp["max_len"], hp["seed"], split)
 
-    def train_dataloader(self) -> DataLoader[Any]:
-        """Shuffled training batches, in an order fixed by ``seed``."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader[Any]:
-        """Validation batches, in order."""
-        return self._loader("val", shuffle=False)
-
-    def test_dataloader(self) -> DataLoader[Any]:
-        """Test batches, in order."""
-        return self._loader("test", shuffle=False)
-
-    def _loader(self, split: str, shuffle: bool) -> DataLoader[Any]:
-        self.setup()
-        return _dataloader(self.datasets[split], self.batch_size, shuffle, self.hparams, collate_fn=pad_collate)
-
-
-# ------------------------------------------------------------------------------------------------------------ shared
-def _dataloader(
-    dataset: Dataset[Any], batch_size: int, shuffle: bool, hparams: Any, collate_fn: Any
-) -> DataLoader[Any]:
-    workers = hparams["num_workers"]
-    # A generator of our own: the shuffled order follows `seed`, not whatever the global RNG holds.
-    generator = torch.Generator().manual_seed(hparams["seed"]) if shuffle else None
-    return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        shuffle=shuffle,
-        generator=generator,
-        collate_fn=collate_fn,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-    )
+    @override
+    def _collate(self) -> Callable[[list[Any]], Any]:
+        return pad_collate
 
 
 def _sample_seed(seed: int, split: int) -> int:

@@ -1,20 +1,22 @@
 """The configuration the shipped models share: optimizer and LR-schedule choices, and their argument checks.
 
 ``configure_optimizers`` of each model calls :func:`configure`; the argument checks run in the models' constructors
-(:func:`check_optim_args`, :func:`check_dropout`, and ``lightning_amp_plus.numerics.checks.check_int``), so that a bad
-choice fails when the model is built, not when ``fit`` starts.
+(:func:`check_optim_args`, :func:`check_dropout`, and the rest of :mod:`lightning_amp_plus.numerics.checks`), so that a
+bad choice fails when the model is built, not when ``fit`` starts.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, TypeGuard, get_args
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfigType
 from torch import nn
 from torch.optim import Optimizer
+
+from lightning_amp_plus.numerics.checks import check_nonnegative, check_real
 
 __all__ = [
     "OptimizerName",
@@ -38,11 +40,15 @@ _STEP_GAMMA = 0.1
 
 def check_optim_args(
     owner: str, optimizer: str, scheduler: str, lr: float, weight_decay: float, momentum: float = 0.0
-) -> None:
+) -> tuple[float, float, float]:
     """Raise a clear error for a choice :func:`configure` cannot build; ``owner`` names the model in the message.
+
+    Returns:
+        ``(lr, weight_decay, momentum)`` as Python floats (see :func:`~lightning_amp_plus.numerics.checks.check_real`).
 
     Example:
         >>> check_optim_args("CifarCNN", "sgd", "cosine", lr=0.05, weight_decay=5e-4, momentum=0.9)
+        (0.05, 0.0005, 0.9)
         >>> check_optim_args("CifarCNN", "lamb", "none", lr=0.05, weight_decay=0.0)
         Traceback (most recent call last):
         ...
@@ -52,27 +58,25 @@ def check_optim_args(
         raise ValueError(f"`{owner}(optimizer={optimizer!r})` is not supported: use one of {_quoted(_OPTIMIZERS)}.")
     if scheduler not in _SCHEDULERS:
         raise ValueError(f"`{owner}(scheduler={scheduler!r})` is not supported: use one of {_quoted(_SCHEDULERS)}.")
-    if not _is_real(lr) or not lr > 0 or not math.isfinite(lr):
-        raise ValueError(f"`{owner}(lr={lr!r})` must be a positive finite number, e.g. 1e-3.")
-    if not _is_real(weight_decay) or not 0 <= weight_decay < math.inf:
-        raise ValueError(f"`{owner}(weight_decay={weight_decay!r})` must be a finite number >= 0 (0 turns it off).")
-    if not _is_real(momentum) or not 0 <= momentum < 1:
-        raise ValueError(f"`{owner}(momentum={momentum!r})` must be in [0, 1), e.g. 0.9 (0 turns it off).")
+    return (
+        check_real(owner, "lr", lr, "a positive finite number, e.g. 1e-3", lambda number: number > 0),
+        check_nonnegative(owner, "weight_decay", weight_decay, hint=" (0 turns it off)"),
+        check_real(owner, "momentum", momentum, "in [0, 1), e.g. 0.9 (0 turns it off)", _below_one),
+    )
 
 
-def check_dropout(owner: str, value: object) -> None:
-    """Raise unless ``value`` is a dropout probability in [0, 1).
+def check_dropout(owner: str, value: object) -> float:
+    """``value`` as a Python float; raise unless it is a dropout probability in [0, 1).
 
     Example:
+        >>> check_dropout("ImdbLSTM", 0)
+        0.0
         >>> check_dropout("ImdbLSTM", 1.0)
         Traceback (most recent call last):
         ...
         ValueError: `ImdbLSTM(dropout=1.0)` must be a probability in [0, 1), e.g. 0.1 (0 turns dropout off).
     """
-    if not _is_real(value) or not 0 <= value < 1:
-        raise ValueError(
-            f"`{owner}(dropout={value!r})` must be a probability in [0, 1), e.g. 0.1 (0 turns dropout off)."
-        )
+    return check_real(owner, "dropout", value, "a probability in [0, 1), e.g. 0.1 (0 turns dropout off)", _below_one)
 
 
 def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -179,8 +183,8 @@ def configure(
     return {"optimizer": built, "lr_scheduler": build_scheduler(scheduler, built, total_steps=int(total))}
 
 
-def _is_real(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+def _below_one(number: float) -> bool:
+    return 0 <= number < 1
 
 
 def _quoted(names: tuple[str, ...]) -> str:

@@ -13,7 +13,7 @@ from typing_extensions import override
 
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["CifarCNN"]
 
@@ -68,13 +68,14 @@ class CifarCNN(pl.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "num_classes", num_classes, minimum=2)
-        check_int(name, "in_channels", in_channels, minimum=1)
-        check_int(name, "width", width, minimum=1)
-        if not isinstance(batch_norm, bool):
-            raise TypeError(f"`{name}(batch_norm={batch_norm!r})` must be True or False.")
-        _optim.check_dropout(name, dropout)
-        _optim.check_optim_args(name, optimizer, scheduler, lr, weight_decay, momentum)
+        # The checks return plain Python numbers (a NumPy one too becomes one): save_hyperparameters reads these
+        # locals, so the hyperparameters and every checkpoint hold ints and floats that torch.load(weights_only) reads.
+        num_classes = check_int(name, "num_classes", num_classes, minimum=2)
+        in_channels = check_int(name, "in_channels", in_channels, minimum=1)
+        width = check_int(name, "width", width, minimum=1)
+        check_bool(name, "batch_norm", batch_norm)
+        dropout = _optim.check_dropout(name, dropout)
+        lr, weight_decay, momentum = _optim.check_optim_args(name, optimizer, scheduler, lr, weight_decay, momentum)
         self.save_hyperparameters()
         channels = [in_channels, *(width * multiple for multiple in _STAGES)]
         stages: list[nn.Module] = []

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
-from lightning_amp_plus.numerics.checks import check_int
+from lightning_amp_plus.numerics.checks import check_bool, check_int, is_int, show
 
 __all__ = ["ImdbLSTM"]
 
@@ -74,19 +74,21 @@ class ImdbLSTM(pl.LightningModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        check_int(name, "vocab_size", vocab_size, minimum=2)
-        check_int(name, "embed_dim", embed_dim, minimum=1)
-        check_int(name, "hidden_dim", hidden_dim, minimum=1)
-        check_int(name, "num_layers", num_layers, minimum=1)
-        if not isinstance(bidirectional, bool):
-            raise TypeError(f"`{name}(bidirectional={bidirectional!r})` must be True or False.")
-        _optim.check_dropout(name, dropout)
-        if isinstance(pad_index, bool) or not isinstance(pad_index, int) or not 0 <= pad_index < vocab_size:
+        # Plain Python numbers from the checks, for the hyperparameters save_hyperparameters reads from these locals
+        # (see CifarCNN).
+        vocab_size = check_int(name, "vocab_size", vocab_size, minimum=2)
+        embed_dim = check_int(name, "embed_dim", embed_dim, minimum=1)
+        hidden_dim = check_int(name, "hidden_dim", hidden_dim, minimum=1)
+        num_layers = check_int(name, "num_layers", num_layers, minimum=1)
+        check_bool(name, "bidirectional", bidirectional)
+        dropout = _optim.check_dropout(name, dropout)
+        if not is_int(pad_index) or not 0 <= pad_index < vocab_size:
             raise ValueError(
-                f"`{name}(pad_index={pad_index!r})` must be a token id in [0, vocab_size={vocab_size}): the id the "
+                f"`{name}(pad_index={show(pad_index)})` must be a token id in [0, vocab_size={vocab_size}): the id the "
                 "collate function pads with (pad_collate's default is 0)."
             )
-        _optim.check_optim_args(name, optimizer, scheduler, lr, weight_decay)
+        pad_index = int(pad_index)
+        lr, weight_decay, _ = _optim.check_optim_args(name, optimizer, scheduler, lr, weight_decay)
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, embed_dim, padding_idx=pad_index)
         # nn.LSTM applies its dropout between layers only, and warns when there is no second layer.

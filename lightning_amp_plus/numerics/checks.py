@@ -4,14 +4,16 @@ Used by the scaler (its arguments and the states it loads), the plugin, the moni
 modules, and the command line's checks (which is why torch is imported only where a tensor may be met). One rule each:
 an int is any integral number but a bool (NumPy ints included), a real number is finite and not a bool. Numbers are
 checked without ever raising a bare ``OverflowError`` (``float(10**400)`` does): a value too large for a float is
-reported as out of range, with the argument or key it came from.
+reported as out of range, with the argument or key it came from. The ``check_*`` functions of numbers return the value
+as a Python int or float, the one to keep (a NumPy number stored in hyperparameters makes a checkpoint that
+``torch.load(weights_only=True)`` refuses).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = [
@@ -19,6 +21,8 @@ __all__ = [
     "TRACKER_MAX",
     "check_bool",
     "check_int",
+    "check_nonnegative",
+    "check_real",
     "is_int",
     "real",
     "read_count",
@@ -117,17 +121,68 @@ def read_count(state: Mapping[str, Any], key: str, default: int, limit: int = CO
     return value
 
 
-def check_int(owner: str, name: str, value: object, minimum: int) -> None:
-    """Raise unless ``value`` is an int (not a bool) of at least ``minimum``; ``owner`` names the class in the message.
+def check_int(owner: str, name: str, value: object, minimum: int, hint: str = "") -> int:
+    """``value`` as a Python int; raise unless it is an int (not a bool) of at least ``minimum``.
+
+    ``owner`` names the class in the message, ``hint`` is appended to the rule (an example, or what the boundary value
+    means). The Python int is what to keep: a NumPy int is refused by some of torch (``DataLoader(batch_size=...)``)
+    and, saved in hyperparameters, makes a checkpoint that ``torch.load(weights_only=True)`` cannot read.
 
     Example:
+        >>> import numpy as np
+        >>> check_int("CifarCNN", "width", np.int64(8), minimum=1)
+        8
         >>> check_int("CifarCNN", "width", 0, minimum=1)
         Traceback (most recent call last):
         ...
         ValueError: `CifarCNN(width=0)` must be an int >= 1.
+        >>> check_int("MixedPrecisionMonitor", "check_interval", True, minimum=0, hint=" (0 never checks)")
+        Traceback (most recent call last):
+        ...
+        ValueError: `MixedPrecisionMonitor(check_interval=True)` must be an int >= 0 (0 never checks).
     """
-    if not is_int(value) or int(value) < minimum:  # type: ignore[call-overload]
-        raise ValueError(f"`{owner}({name}={show(value)})` must be an int >= {minimum}.")
+    number: int | None = int(value) if is_int(value) else None  # type: ignore[call-overload]
+    if number is None or number < minimum:
+        raise ValueError(f"`{owner}({name}={show(value)})` must be an int >= {minimum}{hint}.")
+    return number
+
+
+def check_real(owner: str, name: str, value: object, rule: str, within: Callable[[float], bool] | None = None) -> float:
+    """``value`` as a Python float; raise ``ValueError`` unless it is a finite real number for which ``within`` holds.
+
+    A real number as :func:`real` reads it (NumPy's included, never a bool); ``rule`` completes "must be ...": the
+    range in words, with an example or what the boundary value means.
+
+    Example:
+        >>> import numpy as np
+        >>> check_real("CifarCNN", "momentum", np.float32(0.5), "in [0, 1), e.g. 0.9", lambda x: 0 <= x < 1)
+        0.5
+        >>> check_real("CifarCNN", "momentum", 1.0, "in [0, 1), e.g. 0.9", lambda x: 0 <= x < 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: `CifarCNN(momentum=1.0)` must be in [0, 1), e.g. 0.9.
+    """
+    number = real(value)
+    if number is None or (within is not None and not within(number)):
+        raise ValueError(f"`{owner}({name}={show(value)})` must be {rule}.")
+    return number
+
+
+def check_nonnegative(owner: str, name: str, value: object, hint: str = "") -> float:
+    """``value`` as a Python float; raise ``ValueError`` unless it is a finite real number >= 0.
+
+    ``hint`` is appended to the rule.
+
+    Example:
+        >>> import numpy as np
+        >>> check_nonnegative("SyntheticCIFAR10DataModule", "noise", np.int64(0))
+        0.0
+        >>> check_nonnegative("SyntheticCIFAR10DataModule", "noise", float("inf"), hint=", e.g. 0.3")
+        Traceback (most recent call last):
+        ...
+        ValueError: `SyntheticCIFAR10DataModule(noise=inf)` must be a finite number >= 0, e.g. 0.3.
+    """
+    return check_real(owner, name, value, f"a finite number >= 0{hint}", lambda number: number >= 0)
 
 
 def check_bool(owner: str, name: str, value: object) -> None:
