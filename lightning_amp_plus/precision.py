@@ -29,7 +29,7 @@ from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, r
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
 
-__all__ = ["MixedPrecisionPlugin", "OptimizerStep"]
+__all__ = ["MixedPrecisionPlugin", "OptimizerStep", "skipped_steps"]
 
 _PRECISIONS = ("16-mixed", "bf16-mixed")
 _FORMAT = "lightning_amp_plus/1"
@@ -628,7 +628,7 @@ class MixedPrecisionPlugin(Precision):
     def state_dict(self) -> dict[str, Any]:
         if self._checker is None:
             return {}
-        # The FP32 weights themselves are in checkpoint["state_dict"]: the model holds them (see _master).
+        # The FP32 weights themselves are in checkpoint["state_dict"]: the model holds them (see numerics.master).
         return {
             "format": _FORMAT,
             "precision": self.precision,
@@ -868,4 +868,3 @@ def skipped_steps(source: pl.Trainer | Precision) -> int | None:
 
 
 # Public too: the one way callers read skipped steps, whichever plugin ran.
-__all__ += ["skipped_steps"]

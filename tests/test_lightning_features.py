@@ -805,7 +805,7 @@ def test_lightning_cli_takes_the_plugin_from_trainer_plugins(mode: Mode, tmp_pat
 class SwapsTheScaler(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == 2:
-            trainer.precision_plugin.scaler = DynamicLossScaler(init_scale=SCALE)  # type: ignore[union-attr]
+            trainer.precision_plugin.scaler = DynamicLossScaler(init_scale=START_SCALE)  # type: ignore[union-attr]
 
 
 def test_a_scaler_assigned_during_fit_names_the_parameters_the_old_one_named() -> None:
