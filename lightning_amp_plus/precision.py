@@ -215,6 +215,7 @@ class MixedPrecisionPlugin(Precision):
         self._batches_narrowed = 0
         self._optimizer_index: dict[int, int] = {}
         self._steps_taken = 0
+        self._last_outcome: dict[int, Any] = {}
         self.recent_steps: deque[OptimizerStep] = deque(maxlen=_RECENT_STEPS)
         self._hooks_read_gradients = True
 
@@ -583,9 +584,11 @@ class MixedPrecisionPlugin(Precision):
         checker = self._checker
         assert checker is not None
         outcome = checker.outcome(optimizer)
-        if outcome is None:  # the step did not get as far as the scaler's record (an error before it)
-            return
-        self._ledger.record_outcome(optimizer, outcome)
+        if outcome is None or outcome is self._last_outcome.get(id(optimizer)):
+            return  # the step did not get as far as the scaler's record of it (an error before)
+        self._last_outcome[id(optimizer)] = outcome
+        if self._held:
+            self._ledger.record_outcome(optimizer, outcome)
         index = self._optimizer_index.get(id(optimizer), 0)
         self.recent_steps.append(
             OptimizerStep(self._steps_taken, index, outcome=outcome, scaled=self._scaler is not None)

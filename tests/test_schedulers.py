@@ -55,3 +55,35 @@ def test_a_plugin_holding_schedulers_pickles_for_ddp_spawn() -> None:
     plugin._ledger.record(object(), applied=False)
     copy = pickle.loads(pickle.dumps(plugin))
     assert copy._ledger.held_steps == 0 and copy.master_weights and copy.precision == "bf16-mixed"
+
+
+class Pending:
+    """A fused step's outcome: unread until ``skipped`` is asked."""
+
+    def __init__(self, skipped: bool) -> None:
+        self._skipped, self.reads = skipped, 0
+
+    @property
+    def resolved(self) -> bool:
+        return self.reads > 0
+
+    @property
+    def skipped(self) -> bool:
+        self.reads += 1
+        return self._skipped
+
+
+def test_pending_outcomes_are_read_when_a_scheduler_asks_and_never_pile_up() -> None:
+    opt, sched = scheduler()
+    ledger = _schedulers.StepLedger()
+    _schedulers.hold(sched, ledger)
+    outcomes = [Pending(skipped=True) for _ in range(3)]
+    for outcome in outcomes:
+        ledger.record_outcome(opt, outcome)
+    assert [o.reads for o in outcomes] == [0, 0, 0]  # nothing read in the steps
+    sched.step()  # every step since the last was skipped: held, and now they were read
+    assert lr(opt) == 1.0 and all(o.reads == 1 for o in outcomes)
+    # A run whose schedulers never ask: the unread outcomes are read in batches, not kept forever.
+    for _ in range(1000):
+        ledger.record_outcome(opt, Pending(skipped=False))
+    assert len(ledger._pending[id(opt)]) <= 256

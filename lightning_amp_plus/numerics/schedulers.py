@@ -17,6 +17,9 @@ from typing import Any
 
 __all__ = ["StepLedger", "hold", "release"]
 
+# Outcomes of fused-path steps kept unread at most (reading them is one host read for all).
+_PENDING_MAX = 256
+
 
 class StepLedger:
     """Counts, per optimizer, the steps called and the steps applied; and per scheduler, what it last saw.
@@ -47,8 +50,15 @@ class StepLedger:
         self._pending.setdefault(id(optimizer), []).append(not applied)
 
     def record_outcome(self, optimizer: object, outcome: Any) -> None:
-        """Note one step of ``optimizer`` whose ``outcome.skipped`` is read only when a scheduler asks."""
-        self._pending.setdefault(id(optimizer), []).append(outcome)
+        """Note one step of ``optimizer`` whose ``outcome.skipped`` is read only when a scheduler asks.
+
+        An outcome already known (``outcome.resolved``) is counted at once; pending ones wait, but never more than
+        ``_PENDING_MAX`` of them (then they are read), so a run whose schedulers never ask keeps no growing list.
+        """
+        pending = self._pending.setdefault(id(optimizer), [])
+        pending.append(outcome)
+        if getattr(outcome, "resolved", True) or len(pending) > _PENDING_MAX:
+            self._settle(id(optimizer))
 
     def should_hold(self, scheduler: Any) -> bool:
         """True when ``scheduler``'s optimizer stepped since the scheduler's last step and every such step was skipped.
