@@ -868,6 +868,3 @@ def skipped_steps(source: pl.Trainer | Precision) -> int | None:
     if getattr(plugin, "scaler", None) is not None or getattr(plugin, "precision", None) == "16-mixed":
         return None
     return 0
-
-
-# Public too: the one way callers read skipped steps, whichever plugin ran.
