@@ -43,19 +43,24 @@ Run
 from __future__ import annotations
 
 import argparse
-import contextlib
-import math
 import os
 import statistics
+import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from _ab import verdict  # same directory
+from bench_grads import shapes, sync  # same directory: the gradient layouts of the gradient-pass benchmark
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import host_reads  # the tests' spy on every Python-level read of a tensor value
 
 from lightning_amp_plus import DynamicLossScaler
 
@@ -66,21 +71,10 @@ _OPTIMIZERS = {
     "sgd": torch.optim.SGD,
     "adagrad": torch.optim.Adagrad,
 }
-_HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "__array__")
 _CUDA_SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
 # ----------------------------------------------------------------------------------------------------- set-up
-def shapes(total: int, count: int, layout: str) -> list[tuple[int, ...]]:
-    """Parameter shapes summing to about ``total`` elements in ``count`` tensors."""
-    if layout == "uniform":
-        return [(total // count,)] * count
-    blocks = max(1, count // 12)
-    d = max(8, int(math.sqrt(total / (12 * blocks))))
-    block = [(3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,), (d,), (d,)]
-    return block * blocks
-
-
 @dataclass
 class Side:
     """One side of the comparison: its parameters, optimizer, scaler and the step it times."""
@@ -146,26 +140,6 @@ def torch_clip_step(side: Side, max_norm: float) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- counting
-@contextlib.contextmanager
-def python_reads(calls: list[str]) -> Iterator[None]:
-    originals = {name: getattr(Tensor, name) for name in _HOST_READS if hasattr(Tensor, name)}
-
-    def spy(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            return original(self, *args, **kwargs)
-
-        return wrapper
-
-    try:
-        for name, original in originals.items():
-            setattr(Tensor, name, spy(name, original))
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(Tensor, name, original)
-
-
 def count_syncs(side: Side, steps: int, overflow_every: int | None, device: torch.device) -> dict[str, float]:
     """Host syncs per step of ``side``: profiler scalar reads outside the optimizer, Python reads, CUDA syncs."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -173,7 +147,7 @@ def count_syncs(side: Side, steps: int, overflow_every: int | None, device: torc
     with profile(activities=activities) as prof:
         for step in range(steps):
             side.restore(step, overflow_every)
-            with python_reads(calls):
+            with host_reads(calls):
                 side.step(side)
     scalar_reads = 0
     cuda_syncs = 0
@@ -190,11 +164,6 @@ def count_syncs(side: Side, steps: int, overflow_every: int | None, device: torc
 
 
 # ------------------------------------------------------------------------------------------------------ timing
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_sides(sides: list[Side], reps: int, steps: int, overflow_every: int | None, device: torch.device) -> None:
     counter = 0
     for rep in range(reps):
@@ -208,10 +177,6 @@ def time_sides(sides: list[Side], reps: int, steps: int, overflow_every: int | N
                 sync(device)
                 side.times.append(time.perf_counter() - start)
         counter += steps
-
-
-def verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'NOT met'} (<= {target:.2f}x)"
 
 
 def main() -> None:

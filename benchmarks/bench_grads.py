@@ -50,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _ab import verdict  # same directory
 from torch import Tensor, nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -60,7 +61,7 @@ _TARGET_NO_CLIP = 1.10
 
 
 # ----------------------------------------------------------------------------------------------------- set-up
-def _shapes(total: int, count: int, layout: str) -> list[tuple[int, ...]]:
+def shapes(total: int, count: int, layout: str) -> list[tuple[int, ...]]:
     """Gradient shapes summing to about ``total`` elements in ``count`` tensors."""
     if layout == "uniform":
         return [(total // count,)] * count
@@ -237,7 +238,7 @@ def check_agreement(methods: Methods) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------- timing
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -250,10 +251,10 @@ def time_methods(methods: Methods, reps: int, warmup: int) -> dict[str, list[flo
     for rep in range(warmup + reps):
         for name, fn in table.items():
             methods.reset()
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             elapsed = time.perf_counter() - start
             if rep >= warmup:
                 times[name].append(elapsed)
@@ -262,10 +263,6 @@ def time_methods(methods: Methods, reps: int, warmup: int) -> dict[str, list[flo
 
 
 # ---------------------------------------------------------------------------------------------------- reporting
-def _verdict(ratio: float, target: float) -> str:
-    return f"{'met' if ratio <= target else 'NOT met'} (<= {target:.2f}x)"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="2M gradients and fewer repetitions (smoke test)")
@@ -287,21 +284,22 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     numel = args.numel or (2_000_000 if args.quick else 22_000_000)
     reps = args.reps or (7 if args.quick else 25)
-    shapes = _shapes(numel, args.tensors, args.layout)
+    layout_shapes = shapes(numel, args.tensors, args.layout)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
     load_before = os.getloadavg()[0]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__} on {where}")
     print(
-        f"{sum(math.prod(s) for s in shapes):,} gradient elements in {len(shapes)} tensors ({args.layout} layout), "
+        f"{sum(math.prod(s) for s in layout_shapes):,} gradient elements in {len(layout_shapes)} tensors "
+        f"({args.layout} layout), "
         f"loss scale {args.scale:g}, {reps} timed repetitions (+{args.warmup} warm-up), medians reported"
     )
 
     rows: list[tuple[str, str, float, float, float, float]] = []  # dtype, case, ours, torch, roofline, min ratio
     for label in args.dtypes:
         dtype = _DTYPES[label]
-        gs = make_grad_set(shapes, dtype, device, args.scale)
+        gs = make_grad_set(layout_shapes, dtype, device, args.scale)
         with torch.no_grad():
             norm = float(torch.linalg.vector_norm(gs.saved.float()).item()) / args.scale
         methods = Methods(gs, device, args.scale, max_norm_large=norm * 1e3, max_norm_small=norm / 10)
@@ -344,7 +342,7 @@ def main() -> None:
         target = _TARGET_NO_CLIP if case == "no clip" else _TARGET_CLIP
         print(
             f"| {label} | {case} | {ours:.2f} | {theirs:.2f} | {roof:.2f} | {ours / theirs:.2f}x | {best:.2f}x | "
-            f"{ours / roof:.2f}x | {theirs / roof:.2f}x | {_verdict(ours / theirs, target)} |"
+            f"{ours / roof:.2f}x | {theirs / roof:.2f}x | {verdict(ours / theirs, target)} |"
         )
     print()
     print(

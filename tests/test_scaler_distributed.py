@@ -15,23 +15,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers import host_reads
 from launch import free_port
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
 
 WORLD = 2
 STEPS = 8
 FAULT_STEP, FAULT_RANK = 3, 1
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu", "__array__")
-
-
-def spy(name: str, original: Any, reads: list[str]) -> Any:
-    def wrapper(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-        reads.append(name)
-        return original(self, *args, **kwargs)
-
-    return wrapper
 
 
 def train_rank(rank: int, fused: bool) -> dict[str, Any]:
@@ -41,7 +33,6 @@ def train_rank(rank: int, fused: bool) -> dict[str, Any]:
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, max_consecutive_skips=None)
     scaler.process_group = dist.group.WORLD
     reads: list[str] = []
-    originals = {name: getattr(Tensor, name) for name in HOST_READS if hasattr(Tensor, name)}
     outcomes = []
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     for step in range(STEPS):
@@ -54,14 +45,9 @@ def train_rank(rank: int, fused: bool) -> dict[str, Any]:
             p.grad /= WORLD
         if step == FAULT_STEP and rank == FAULT_RANK:
             model[2].weight.grad[0, 0] = float("nan")  # type: ignore[index]
-        try:
-            for name in originals:
-                setattr(Tensor, name, spy(name, originals[name], reads))
+        with host_reads(reads):
             scaler.step(opt)
             scaler.update()
-        finally:
-            for name, original in originals.items():
-                setattr(Tensor, name, original)
         outcomes.append(scaler.outcome(opt))
     return {
         "skipped": [outcome.skipped for outcome in outcomes],
