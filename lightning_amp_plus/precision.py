@@ -24,7 +24,7 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus.numerics import schedulers as _schedulers
-from lightning_amp_plus.numerics.checks import check_bool, is_int, show
+from lightning_amp_plus.numerics.checks import COUNTER_MAX, check_bool, check_int
 from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
@@ -35,8 +35,6 @@ _PRECISIONS = ("16-mixed", "bf16-mixed")
 _FORMAT = "lightning_amp_plus/1"
 # Keys under which Lightning's own plugin (and Lightning 1.x's native AMP) stored a GradScaler state.
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
-# The largest counter a checkpoint may hold: more optimizer steps than any run takes, far below float precision limits.
-_MAX_COUNT = 2**62
 _RECENT_STEPS = 1024
 
 
@@ -791,13 +789,9 @@ def _unwrap(model: nn.Module) -> nn.Module:
 
 
 def _check_skip_limit(name: str, value: object) -> None:
-    if value is None:
-        return
-    if not is_int(value) or int(value) < 1:  # type: ignore[call-overload]
-        raise ValueError(
-            f"`{name}(max_consecutive_skips={show(value)})` must be an int >= 1 (skipped steps in a row before "
-            "training stops with a diagnosis), or None to never stop."
-        )
+    if value is not None:
+        hint = " (skipped steps in a row before training stops with a diagnosis), or None to never stop"
+        check_int(name, "max_consecutive_skips", value, minimum=1, hint=hint)
 
 
 def _saved_count(state: dict[str, Any], key: str, owner: str) -> int:
@@ -807,7 +801,7 @@ def _saved_count(state: dict[str, Any], key: str, owner: str) -> int:
             f"The checkpoint's {owner} state holds {key}={value!r} ({type(value).__name__}); expected an int >= 0. "
             f"Remove checkpoint['{owner}'] to start with a fresh scaler."
         )
-    if not 0 <= value <= _MAX_COUNT:
+    if not 0 <= value <= COUNTER_MAX:
         raise ValueError(
             f"The checkpoint's {owner} state holds {key}={value}; expected an int in [0, 2**62]. "
             f"Remove checkpoint['{owner}'] to start with a fresh scaler."
