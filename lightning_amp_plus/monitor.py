@@ -19,7 +19,7 @@ from lightning_amp_plus import _memory
 from lightning_amp_plus.numerics.checks import check_int, check_real
 from lightning_amp_plus.numerics.grads import nonfinite_names
 from lightning_amp_plus.numerics.sharding import local_view
-from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep
+from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep, skipped_steps
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
 __all__ = ["MixedPrecisionMonitor"]
@@ -134,8 +134,8 @@ class MixedPrecisionMonitor(Callback):
         self._recent.clear()
         self._applied_yet = False
         # Our plugin's count is a total since the first run, restored from checkpoints: new skips are what it adds.
-        plugin = trainer.precision_plugin
-        self._skips_seen = plugin.skipped_steps if isinstance(plugin, MixedPrecisionPlugin) else 0
+        # Another plugin's skips (None: it does not count them) are counted here from 0, off the scale.
+        self._skips_seen = skipped_steps(trainer) or 0
         self._floor_warned = False
         self._stopping = False
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
