@@ -25,7 +25,13 @@ from typing_extensions import override
 
 from lightning_amp_plus.numerics import schedulers as _schedulers
 from lightning_amp_plus.numerics.checks import COUNTER_MAX, check_bool, check_int
-from lightning_amp_plus.numerics.master import HalfCopies, managed_parameters, repeated_uses, rnn_modules
+from lightning_amp_plus.numerics.master import (
+    HalfCopies,
+    managed_parameters,
+    repeated_uses,
+    rnn_modules,
+    widen_to_fp32_,
+)
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
 
@@ -316,10 +322,7 @@ class MixedPrecisionPlugin(Precision):
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.master_weights and _fitting(module):
             # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
-            with torch.no_grad():
-                for param in managed_parameters(module, self.half_modules, self.keep_fp32):
-                    if param.dtype != torch.float32:
-                        param.data = param.data.to(torch.float32)
+            widen_to_fp32_(managed_parameters(module, self.half_modules, self.keep_fp32))
         return module
 
     @override

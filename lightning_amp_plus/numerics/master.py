@@ -29,7 +29,15 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HALF_DTYPES", "HalfCopies", "default_half_modules", "managed_parameters", "repeated_uses", "rnn_modules"]
+__all__ = [
+    "HALF_DTYPES",
+    "HalfCopies",
+    "default_half_modules",
+    "managed_parameters",
+    "repeated_uses",
+    "rnn_modules",
+    "widen_to_fp32_",
+]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Parameters of these dtypes get FP32 masters; float64 (asked for on purpose) and non-floating ones are left alone.
@@ -108,6 +116,20 @@ def _modules_with_kept_flag(module: nn.Module, keep: tuple[type[nn.Module], ...]
         stack.extend((child, inside) for child in reversed(list(current.children())))
 
 
+@torch.no_grad()
+def widen_to_fp32_(params: Iterable[Tensor]) -> None:
+    """Make the data of each parameter not in FP32 yet an FP32 copy (the ``Parameter`` objects stay the same).
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+        >>> widen_to_fp32_([w]); w.dtype
+        torch.float32
+    """
+    for param in params:
+        if param.dtype != torch.float32:
+            param.data = param.data.to(torch.float32)
+
+
 def repeated_uses(output: Tensor, params: Iterable[Tensor]) -> dict[Tensor, int]:
     """How many times each of ``params`` feeds the autograd graph of ``output``, where that is more than once.
 
@@ -173,10 +195,7 @@ class HalfCopies:
         self._fp32: dict[Tensor, Tensor] = {}
         self._versions: dict[Tensor, int] = {}
         self._handles: list[RemovableHandle] = []
-        with torch.no_grad():
-            for param in self.params:
-                if param.dtype != torch.float32:
-                    param.data = param.data.to(torch.float32)
+        widen_to_fp32_(self.params)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HalfCopies:
         # A deep copy of the model (e.g. StochasticWeightAveraging's averaged model) copies the state-dict hooks that
