@@ -521,8 +521,8 @@ class MixedPrecisionPlugin(Precision):
         closure_result = closure()  # forward under autocast, backward of the scaled loss
         if closure_result is None and model.automatic_optimization:
             return self._no_step(optimizer, model)  # training_step returned None: no backward ran
-        # FP32 weights and gradients; unscaled, checked and measured once (or, for a fused optimizer that nothing
-        # else needs unscaled gradients from, left to its kernel: no host read in the step).
+        # FP32 weights and gradients; unscaled, checked and measured once: here when a hook may read them, else in the
+        # scaler's step (where a fused optimizer's own kernel unscales them: no host read in the step).
         self._prepare_grads(optimizer, unscale=self._hooks_read_gradients)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         return self._step_with_ready_grads(optimizer, model, **kwargs)
@@ -530,14 +530,14 @@ class MixedPrecisionPlugin(Precision):
     def _prepare_grads(self, optimizer: Optimizer, unscale: bool = True) -> None:
         """Bring the step's gradients to where the optimizer reads them, unscaled and checked: once per step.
 
-        With ``unscale=False`` a fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``) gets them still scaled:
-        its own kernel unscales them and skips the step on the device (the scaler's fused path).
+        With ``unscale=False`` (nothing before the step reads them) they stay scaled and the scaler's ``step`` takes
+        its own path: a fused optimizer (``Adam/AdamW/SGD/Adagrad(fused=True)``) unscales them in its kernel and skips
+        on the device; any other is unscaled and checked there, in the same pass over the parameters.
         """
         if self._copies is not None:
             self._copies.widen_(_params_of(optimizer))
-        if self._checker is None or (not unscale and self._checker.uses_fused_path(optimizer)):
-            return
-        self._checker.unscale_(optimizer)
+        if self._checker is not None and unscale:
+            self._checker.unscale_(optimizer)
 
     def _step_with_ready_grads(self, optimizer: Optimizer, model: pl.LightningModule, **kwargs: Any) -> Any:
         """Step (or skip) with the prepared gradients; count the step; update the scale once per batch."""

@@ -400,12 +400,15 @@ class DynamicLossScaler:
         record = self._record(optimizer)
         if record.stepped:
             raise RuntimeError("`DynamicLossScaler.unscale_()` was called after `step()`: call `update()` first.")
-        if record.checked:
-            return
+        if not record.checked:
+            self._unscale(optimizer, record, _params_with_grads(optimizer))
+
+    def _unscale(self, optimizer: Optimizer, record: StepRecord, params: list[Tensor]) -> None:
+        """:meth:`unscale_` of ``params``, the optimizer's parameters with gradients (gathered once by the caller)."""
         # The host policy must be current for the inverse scale: read any fused-path flags first (only when the two
         # paths mix, e.g. clipping on some steps only).
         self._resolve()
-        record.params = _params_with_grads(optimizer)
+        record.params = params
         grads = [p.grad for p in record.params if p.grad is not None]
         if grads:
             self._place(grads[0].device)
@@ -525,7 +528,7 @@ class DynamicLossScaler:
                 self._raise_stop()
                 record.params = params
                 return self._step_fused(optimizer, record, kwargs)
-        self.unscale_(optimizer)
+            self._unscale(optimizer, record, params)
         self._raise_stop()
         record.stepped = True
         self._outcomes[id(optimizer)] = StepOutcome(record, self._resolve)
