@@ -16,16 +16,25 @@ def lr(opt: torch.optim.Optimizer) -> float:
     return float(opt.param_groups[0]["lr"])
 
 
+class Known:
+    """A step's outcome read at once (the unscale path's)."""
+
+    resolved = True
+
+    def __init__(self, skipped: bool) -> None:
+        self.skipped = skipped
+
+
 def test_a_scheduler_is_held_only_when_every_step_since_its_last_was_skipped() -> None:
     opt, sched = scheduler()
     ledger = _schedulers.StepLedger()
     _schedulers.hold(sched, ledger)
-    ledger.record(opt, applied=False)
+    ledger.record_outcome(opt, Known(skipped=True))
     sched.step()  # the only step since the last was skipped: held
     assert lr(opt) == 1.0
-    ledger.record(opt, applied=False)
+    ledger.record_outcome(opt, Known(skipped=True))
     opt.step()
-    ledger.record(opt, applied=True)
+    ledger.record_outcome(opt, Known(skipped=False))
     sched.step()  # one of two applied (an epoch-interval scheduler, say): advances
     assert lr(opt) == 0.5
     sched.step()  # no optimizer step at all since: advances, as a scheduler stepped by hand would
@@ -52,7 +61,7 @@ def test_a_plugin_holding_schedulers_pickles_for_ddp_spawn() -> None:
     from lightning_amp_plus import MixedPrecisionPlugin
 
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
-    plugin._ledger.record(object(), applied=False)
+    plugin._ledger.record_outcome(object(), Known(skipped=True))
     copy = pickle.loads(pickle.dumps(plugin))
     assert copy._ledger.held_steps == 0 and copy.master_weights and copy.precision == "bf16-mixed"
 

@@ -24,8 +24,8 @@ _PENDING_MAX = 256
 class StepLedger:
     """Counts, per optimizer, the steps called and the steps applied; and per scheduler, what it last saw.
 
-    A step's outcome may be known only later (a fused optimizer skips on the device): :meth:`record` takes anything
-    with a ``skipped`` attribute, and it is read only when a scheduler of that optimizer asks.
+    A step's outcome may be known only later (a fused optimizer skips on the device): :meth:`record_outcome` takes
+    anything with a ``skipped`` attribute, and it is read only when a scheduler of that optimizer asks.
     """
 
     def __init__(self) -> None:
@@ -44,10 +44,6 @@ class StepLedger:
         self.__dict__.update(state)
         self._pending = {}
         self._seen = weakref.WeakKeyDictionary()
-
-    def record(self, optimizer: object, applied: bool) -> None:
-        """Note one step of ``optimizer``, applied or skipped."""
-        self._pending.setdefault(id(optimizer), []).append(not applied)
 
     def record_outcome(self, optimizer: object, outcome: Any) -> None:
         """Note one step of ``optimizer`` whose ``outcome.skipped`` is read only when a scheduler asks.
@@ -76,8 +72,7 @@ class StepLedger:
     def _settle(self, key: int) -> None:
         called, done = self._counts.get(key, (0, 0))
         for outcome in self._pending.pop(key, ()):
-            skipped = outcome if isinstance(outcome, bool) else bool(outcome.skipped)
-            called, done = called + 1, done + int(not skipped)
+            called, done = called + 1, done + int(not outcome.skipped)
         self._counts[key] = (called, done)
 
     def _settle_all(self) -> None:
