@@ -215,7 +215,6 @@ class MixedPrecisionPlugin(Precision):
         self._copies: HalfCopies | None = None
         self._module: nn.Module | None = None
         self._step_open = False  # between the first micro-batch of a step and its optimizer step
-        self._names: dict[int, str] = {}
         self._batches_narrowed = 0
         self._optimizer_index: dict[int, int] = {}
         self._steps_taken = 0
@@ -336,6 +335,7 @@ class MixedPrecisionPlugin(Precision):
             self._refuse_lbfgs(optimizer)
         self._optimizer_index = {id(_inner(opt)): index for index, opt in enumerate(optimizers)}
         self._hooks_read_gradients = _hooks_may_read_gradients(module)
+        self._param_names = _user_names(module)  # for diagnostics: the scaler's overflow names, master-weight warnings
         if self.master_weights and _fitting(module, default=bool(optimizers)):
             self._set_up_master_weights(model, module)
         if self._checker is not None:
@@ -347,7 +347,6 @@ class MixedPrecisionPlugin(Precision):
                 # One skip decision for all ranks: an overflow seen on one rank only (a rank-local fault, unused
                 # parameters) must skip the step everywhere, or the replicas drift apart.
                 self._checker.process_group = torch.distributed.group.WORLD
-            self._param_names = _user_names(module)
             self._checker.set_parameter_names(self._param_names)
         if self.hold_schedulers_on_skip and self._checker is not None:
             for config in lr_schedulers:
@@ -377,7 +376,6 @@ class MixedPrecisionPlugin(Precision):
                 f"(strategy='ddp'), not under {type(model).__name__}. Use a DDP strategy, or master_weights=False."
             )
         params = managed_parameters(module, self.half_modules, self.keep_fp32)
-        self._names = {id(p): name for name, p in module.named_parameters()}
         self._batches_narrowed = 0
         self._module = module
         self._step_open = False
@@ -496,7 +494,8 @@ class MixedPrecisionPlugin(Precision):
         uses = repeated_uses(loss, [p for p in copies.params if copies.holds_half(p)])
         if not uses:
             return
-        listed = ", ".join(f"{self._names.get(id(p), '?')} ({n} uses)" for p, n in list(uses.items())[:8])
+        names = {id(param): name for name, param in self._param_names}
+        listed = ", ".join(f"{names.get(id(p), '?')} ({n} uses)" for p, n in list(uses.items())[:8])
         more = f" and {len(uses) - 8} more" if len(uses) > 8 else ""
         rank_zero_warn(
             f"{type(self).__name__}(master_weights=True): {listed}{more} feed this loss more than once, so autograd "
