@@ -388,15 +388,16 @@ def test_check_interval_reports_a_nan_parameter_at_the_next_multiple_and_not_bef
     assert found_at == [9, 14]
 
 
-@pytest.mark.parametrize("precision", ["bf16-plugin", "32-true"])
-def test_check_interval_zero_never_checks(precision):
-    plugin = bf16_plugin() if precision == "bf16-plugin" else None
-    monitor = MixedPrecisionMonitor(check_interval=0, on_nonfinite="raise")
-    run, caught = fit_catching_warnings(Faulty(nan_weight_at=2), plugin, monitor=monitor)
-    assert run.trainer.global_step == 6
-    assert not torch.isfinite(run.model.net[0].weight).all()  # there was something to find
-    assert {kind for _, kind, _ in monitor.history.nonfinite_events} <= {"overflowed gradients"}
-    assert not messages(caught, "non-finite")
+def test_check_interval_zero_is_refused_because_its_summary_would_claim_a_check_never_made():
+    # It used to be accepted, checked nothing, and the summary said "no non-finite parameters or gradients found".
+    with pytest.raises(ValueError, match=r"check_interval=0\)` .*>= 1, e\.g\. 1 \(every step\)"):
+        MixedPrecisionMonitor(check_interval=0)
+
+
+@pytest.mark.parametrize("flag", ["prog_bar", "log_memory"])
+def test_flags_must_be_bools_as_the_plugins_flags_are(flag):
+    with pytest.raises(TypeError, match=rf"MixedPrecisionMonitor\({flag}='no'\)` must be True or False"):
+        MixedPrecisionMonitor(**{flag: "no"})
 
 
 BAD_ARGUMENTS = [
