@@ -37,6 +37,7 @@ Usage
     python benchmarks/bench_compensated.py                 # the full table (about 20-30 min on 2 CPU cores)
     python benchmarks/bench_compensated.py --quick         # a smoke run (about a minute): few steps, one seed
     python benchmarks/bench_compensated.py --tasks mlp --mlp-steps 3000 --seeds 0 1 2
+    python benchmarks/bench_compensated.py --tasks --timing-rounds 10   # the step-time table alone
 """
 
 from __future__ import annotations
@@ -346,7 +347,7 @@ def drift_table(results: list[dict[str, object]], marks: list[int], lrs: list[fl
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 gpt / 200 mlp steps, one seed")
-    parser.add_argument("--tasks", nargs="+", default=["gpt", "mlp"], choices=["gpt", "mlp"])
+    parser.add_argument("--tasks", nargs="*", default=["gpt", "mlp"], choices=["gpt", "mlp"], help="none: timing only")
     parser.add_argument("--variants", nargs="+", default=[v.name for v in VARIANTS], choices=list(BY_NAME))
     parser.add_argument("--lrs", nargs="+", type=float, default=[3e-4, 3e-5])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

@@ -78,43 +78,60 @@ def adam_(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     step: float,
-    group: Mapping[str, Any],
-    decoupled: bool,
+    *,
+    lr: float | Tensor,
+    beta1: float | Tensor,
+    beta2: float | Tensor,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    maximize: bool,
 ) -> None:
     """One Adam/AdamW update of FP32 ``param``, ``exp_avg`` and ``exp_avg_sq`` in place, as torch computes it.
 
     The operations and their order are those of torch's single-tensor Adam (``amsgrad=False``, neither capturable
-    nor differentiable), so FP32 inputs give torch's result bit for bit. ``grad`` is not modified.
+    nor differentiable), so FP32 inputs give torch's result bit for bit. ``step`` is the count including this step;
+    ``grad`` is not modified.
     """
-    lr, beta1, beta2 = (_scalar(group[key]) for key in ("lr", "beta1", "beta2"))
-    weight_decay, eps = group["weight_decay"], group["eps"]
-    if group["maximize"]:
+    lr, beta1, beta2 = _scalar(lr), _scalar(beta1), _scalar(beta2)
+    if maximize:
         grad = -grad
     if weight_decay != 0:
-        if decoupled:
+        if decoupled_weight_decay:
             param.mul_(1 - lr * weight_decay)
         else:
             grad = grad.add(param, alpha=weight_decay)
     # torch moves a tensor beta1 to the parameter's device and dtype for lerp_ (pytorch#140601).
     weight_beta1 = beta1.to(param.device, param.dtype) if isinstance(beta1, Tensor) else beta1
     exp_avg.lerp_(grad, 1 - weight_beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)  # type: ignore[arg-type]  # a 0-d tensor too, as torch
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     denom = (exp_avg_sq.sqrt() / bias_correction2**0.5).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-step_size)
+    param.addcdiv_(exp_avg, denom, value=-step_size)  # type: ignore[arg-type]  # a 0-d tensor too, as torch
 
 
-def sgd_(param: Tensor, grad: Tensor, momentum_buffer: Tensor | None, group: Mapping[str, Any]) -> Tensor | None:
+def sgd_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor | None,
+    *,
+    lr: float | Tensor,
+    momentum: float,
+    dampening: float,
+    nesterov: bool,
+    weight_decay: float,
+    maximize: bool,
+) -> Tensor | None:
     """One SGD update of FP32 ``param`` in place, as torch computes it; returns the new momentum buffer (or ``None``).
 
-    The operations and their order are those of torch's single-tensor SGD (momentum, dampening, Nesterov, weight
-    decay, maximize). ``momentum_buffer`` (FP32, updated in place) is ``None`` at the first step with momentum, as in
-    torch, which then starts it from the gradient. ``grad`` is not modified.
+    The operations and their order are those of torch's single-tensor SGD. ``momentum_buffer`` (FP32, updated in
+    place) is ``None`` at the first step with momentum, as in torch, which then starts it from the gradient. ``grad``
+    is not modified.
     """
-    lr, momentum, weight_decay = _scalar(group["lr"]), group["momentum"], group["weight_decay"]
-    if group["maximize"]:
+    lr = _scalar(lr)
+    if maximize:
         grad = -grad
     if weight_decay != 0:
         grad = grad.add(param, alpha=weight_decay)
@@ -122,9 +139,9 @@ def sgd_(param: Tensor, grad: Tensor, momentum_buffer: Tensor | None, group: Map
         if momentum_buffer is None:
             momentum_buffer = grad.detach().clone()
         else:
-            momentum_buffer.mul_(momentum).add_(grad, alpha=1 - group["dampening"])
-        grad = grad.add(momentum_buffer, alpha=momentum) if group["nesterov"] else momentum_buffer
-    param.add_(grad, alpha=-lr)
+            momentum_buffer.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(momentum_buffer, alpha=momentum) if nesterov else momentum_buffer
+    param.add_(grad, alpha=-lr)  # type: ignore[arg-type]  # a 0-d tensor too, as torch
     return momentum_buffer
 
 
@@ -232,9 +249,9 @@ class Compensator:
     def step(self) -> None:
         """Update every parameter that has a gradient: bf16 ones compensated, the others by ``optimizer.step()``.
 
-        The bf16 parameters are updated first; then ``optimizer.step()`` runs with their gradients hidden, so it
-        steps the other parameters exactly as torch does, and its step hooks (and an LR scheduler's check that the
-        optimizer stepped) see one step, after every parameter but its own are updated.
+        The bf16 parameters are updated first; then ``optimizer.step()`` runs with their gradients hidden (put back
+        after), so it steps the other parameters exactly as torch does, and its step hooks run once per step (an LR
+        scheduler sees that the optimizer stepped).
 
         Raises:
             ValueError: a param group now sets an unsupported option or holds an fp16 parameter.
@@ -243,39 +260,44 @@ class Compensator:
         """
         self._check_groups()
         self._restore_pending()
-        hidden: list[tuple[Tensor, Tensor]] = []
+        compensated = self._compensated()
+        for group, param, grad in compensated:
+            self._update(group, param, grad)
         try:
-            for group, param in self._compensated():
-                grad = param.grad
-                assert grad is not None  # _compensated yields parameters with gradients only
-                self._update(group, param, grad)
-                hidden.append((param, grad))
+            for _, param, _ in compensated:
                 param.grad = None
             self.optimizer.step()
         finally:
-            for param, grad in hidden:
+            for _, param, grad in compensated:
                 param.grad = grad
 
-    def _compensated(self) -> Iterator[tuple[dict[str, Any], Tensor]]:
-        """``(group, param)`` for each bf16 parameter with a gradient, in the optimizer's order."""
+    def _compensated(self) -> list[tuple[dict[str, Any], Tensor, Tensor]]:
+        """``(group, param, grad)`` of each bf16 parameter with a gradient, in the optimizer's order.
+
+        All are checked before any is updated: a refusal leaves the step undone, not half done.
+        """
+        found = []
         for group in self.optimizer.param_groups:
             for param in group["params"]:
-                if param.grad is not None and param.dtype == torch.bfloat16:
-                    if param.grad.is_sparse:
-                        raise RuntimeError(
-                            "A bf16 parameter has a sparse gradient, which the Compensator does not support: use "
-                            "dense gradients (e.g. `nn.Embedding(..., sparse=False)`) for bf16 parameters."
-                        )
-                    yield group, param
+                grad = param.grad
+                if grad is None or param.dtype != torch.bfloat16:
+                    continue
+                if grad.is_sparse:
+                    raise RuntimeError(
+                        "A bf16 parameter has a sparse gradient, which the Compensator does not support: use "
+                        "dense gradients (e.g. `nn.Embedding(..., sparse=False)`) for bf16 parameters."
+                    )
+                found.append((group, param, grad))
+        return found
 
     def _update(self, group: dict[str, Any], param: Tensor, grad: Tensor) -> None:
         """One compensated update of bf16 ``param``: the FP32 math, then the states and the weight written back."""
         master = self._master(param)
         grad32 = _widened(local_view(grad))
         if isinstance(self.optimizer, torch.optim.SGD):
-            self._sgd_states(group, param, master, grad32)
+            self._sgd(group, param, master, grad32)
         else:
-            self._adam_states(group, param, master, grad32)
+            self._adam(group, param, master, grad32)
         self._write_weight(param, master)
 
     def _master(self, param: Tensor) -> Tensor:
@@ -287,7 +309,7 @@ class Compensator:
                 master.add_(local_view(buffer))
         return master
 
-    def _adam_states(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
+    def _adam(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
         state = self.optimizer.state[param]
         if not state:
             # torch's own initial state (the step counter on the CPU, as torch keeps it when neither fused nor
@@ -302,25 +324,47 @@ class Compensator:
         exp_avg, exp_avg_sq = local_view(state["exp_avg"]), local_view(state["exp_avg_sq"])
         exp_avg32, exp_avg_sq32 = _widened(exp_avg), _widened(exp_avg_sq)
         state["step"] += 1
-        hyper = {**group, "beta1": group["betas"][0], "beta2": group["betas"][1]}
-        decoupled = bool(group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)))
-        adam_(master, grad32, exp_avg32, exp_avg_sq32, state["step"].item(), hyper, decoupled)
+        adam_(
+            master,
+            grad32,
+            exp_avg32,
+            exp_avg_sq32,
+            state["step"].item(),
+            lr=group["lr"],
+            beta1=group["betas"][0],
+            beta2=group["betas"][1],
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            # AdamW is Adam with decoupled_weight_decay=True in torch >= 2.7's groups; older AdamW groups lack the key.
+            decoupled_weight_decay=group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW)),
+            maximize=group["maximize"],
+        )
         _write_back(exp_avg, exp_avg32)
         _write_back(exp_avg_sq, exp_avg_sq32)
 
-    def _sgd_states(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
+    def _sgd(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
         state = self.optimizer.state[param]
-        if group["momentum"] != 0 and state.get("momentum_buffer") is not None:
+        buffer = state.get("momentum_buffer") if group["momentum"] != 0 else None
+        if buffer is not None:
             self._cast_state(state, "momentum_buffer", self.exp_avg_dtype)
             buffer = local_view(state["momentum_buffer"])
-            buffer32 = sgd_(master, grad32, _widened(buffer), group)
-            assert buffer32 is not None
-            _write_back(buffer, buffer32)
+        buffer32 = sgd_(
+            master,
+            grad32,
+            _widened(buffer) if buffer is not None else None,
+            lr=group["lr"],
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            weight_decay=group["weight_decay"],
+            maximize=group["maximize"],
+        )
+        if buffer32 is None:  # no momentum: no state, as in torch
             return
-        buffer32 = sgd_(master, grad32, None, group)
-        if buffer32 is not None:  # the first step with momentum: the buffer starts from the gradient
+        if buffer is None:  # the first step with momentum: the buffer starts from the gradient
             state["momentum_buffer"] = torch.zeros_like(param, dtype=self.exp_avg_dtype)
-            local_view(state["momentum_buffer"]).copy_(buffer32)
+            buffer = local_view(state["momentum_buffer"])
+        _write_back(buffer, buffer32)
 
     @staticmethod
     def _cast_state(state: dict[str, Any], key: str, dtype: torch.dtype) -> None:
