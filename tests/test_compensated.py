@@ -417,8 +417,10 @@ def test_a_state_loaded_without_the_optimizers_is_refused_at_the_next_step() -> 
     checkpoint = saved(model, compensator)
     train(model, compensator, range(2, 3))  # the optimizer's state moves on: no longer the checkpoint's
     compensator.load_state_dict(checkpoint["compensator"])
+    before = everything(model, compensator)
     with pytest.raises(RuntimeError, match="does not match the one the Compensator's state was saved with"):
         train(model, compensator, range(3, 4))
+    assert_bitwise_equal(everything(model, compensator), before)  # refused before anything moved
 
 
 @pytest.mark.parametrize(
@@ -447,13 +449,18 @@ def test_a_malformed_or_foreign_state_is_refused_naming_what_is_wrong(
     assert_bitwise_equal(everything(model, compensator), before)  # nothing half-loaded
 
 
-def test_a_random_stream_of_another_device_type_is_refused() -> None:
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"device_type": "cuda"}, "random stream of device type 'cuda' where this optimizer's parameters are on cpu"),
+        ({"state": torch.zeros(3)}, "random stream must be a uint8 tensor"),
+    ],
+)
+def test_a_random_stream_of_another_device_type_or_form_is_refused(entry: dict[str, Any], message: str) -> None:
     _, compensator = fresh("adamw", "stochastic")
     state = compensator.state_dict()
-    state["generators"][0]["device_type"] = "cuda"
-    with pytest.raises(
-        ValueError, match="random stream of device type 'cuda' where this optimizer's parameters are on cpu"
-    ):
+    state["generators"][0].update(entry)
+    with pytest.raises(ValueError, match=message):
         compensator.load_state_dict(state)
 
 

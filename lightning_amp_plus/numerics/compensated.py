@@ -508,10 +508,12 @@ class Compensator:
         return buffer
 
     def _restore_pending(self) -> None:
-        """Put the loaded states back into the optimizer's state, once it holds their (cast) values."""
+        """Put the loaded states back into the optimizer's state, once it holds their (cast) values.
+
+        All are checked first: a mismatch changes nothing.
+        """
         for param, key, saved in self._pending:
-            state = self.optimizer.state.get(param, {})
-            current = state.get(key)
+            current = self.optimizer.state.get(param, {}).get(key)
             if not isinstance(current, Tensor) or not torch.equal(
                 local_view(current), local_view(saved).to(local_view(current).device, current.dtype)
             ):
@@ -520,7 +522,9 @@ class Compensator:
                     "(the optimizer's state was not loaded, or comes from another checkpoint): load the optimizer's "
                     "and the Compensator's states saved together, in either order, before the next step."
                 )
-            state[key] = saved.to(local_view(current).device) if saved.device != current.device else saved
+        for param, key, saved in self._pending:
+            state = self.optimizer.state[param]
+            state[key] = saved.to(local_view(state[key]).device)  # the same tensor when already there
         self._pending = []
 
     def _loaded_generators(self, saved: Any) -> dict[torch.device, torch.Generator]:
@@ -537,9 +541,11 @@ class Compensator:
                     f"The Compensator state holds a random stream of device type {show(_get(entry, 'device_type'))} "
                     f"where this optimizer's parameters are on {device}: resume on the same kind of device."
                 )
-            generator = torch.Generator(device=device)
-            generator.set_state(entry["state"])
-            generators[device] = generator
+            state = entry.get("state")
+            if not isinstance(state, Tensor) or state.dtype != torch.uint8:
+                raise ValueError(f"The Compensator state's random stream must be a uint8 tensor, not {show(state)}.")
+            generators[device] = torch.Generator(device=device)
+            generators[device].set_state(state)
         return generators
 
     def _devices(self) -> list[torch.device]:
