@@ -20,7 +20,9 @@ import torch.nn.functional as F
 from autopsy_models import (
     MLP,
     WIDTH,
+    assert_same,
     batch,
+    draws_everything,
     fault_a,
     fault_b,
     fault_b_in_layer,
@@ -28,6 +30,7 @@ from autopsy_models import (
     finite,
     mse,
     plain_gradients,
+    snapshot,
     without_inplace,
 )
 from torch import Tensor, nn
@@ -337,44 +340,6 @@ def test_a_replay_finite_everywhere_gives_none() -> None:
 
 
 # --- nothing left behind -------------------------------------------------------------------------------------------
-
-
-def snapshot(model: nn.Module) -> dict[str, Any]:
-    return {
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "grads": {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()},
-        "grad_ids": {n: id(p.grad) for n, p in model.named_parameters()},
-        "buffers": {n: b.clone() for n, b in model.named_buffers()},
-        "buffer_ids": {n: id(b) for n, b in model.named_buffers()},
-        "training": {n: m.training for n, m in model.named_modules()},
-        "hooks": sum(
-            len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in model.modules()
-        ),
-        "torch_rng": torch.get_rng_state(),
-        "python_rng": random.getstate(),
-        "numpy_rng": np.random.get_state()[1].copy(),
-        "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
-    }
-
-
-def assert_same(before: dict[str, Any], after: dict[str, Any]) -> None:
-    for key in ("params", "buffers"):
-        for name, value in before[key].items():
-            assert torch.equal(value, after[key][name]), f"{key} {name} changed"
-    for name, grad in before["grads"].items():
-        other = after["grads"][name]
-        assert (grad is None) == (other is None) and (grad is None or torch.equal(grad, other)), f"grad {name} changed"
-    for key in ("grad_ids", "buffer_ids", "training", "hooks", "python_rng", "autocast"):
-        assert before[key] == after[key], f"{key} changed"
-    assert torch.equal(before["torch_rng"], after["torch_rng"]) and np.array_equal(
-        before["numpy_rng"], after["numpy_rng"]
-    )
-
-
-def draws_everything(model: nn.Module, data: tuple[Tensor, Tensor]) -> Callable[[], Tensor]:
-    """A ``run`` that also draws from Python's and NumPy's generators (as some training steps do)."""
-    forward = mse(model, data)
-    return lambda: forward() * (1.0 + 0.0 * random.random() + 0.0 * float(np.random.rand()))
 
 
 def with_dropout_and_norm(make: Callable[[], MLP]) -> MLP:
