@@ -60,24 +60,31 @@ class AbsRange:
         abs_min: the smallest non-zero ``|x|`` (0.0 when every value is zero): how close the values come to underflow.
         abs_max: the largest ``|x|``; ``inf`` or ``nan`` when the values hold them.
         nonfinite: how many values are inf or NaN (exact up to 2**24).
+        neg_inf: how many of those are -inf, what attention masks hold.
 
     Example:
-        >>> AbsRange.of([_summary(torch.tensor([0.0, -3.0, 0.5, float("inf")]))])
-        AbsRange(abs_min=0.5, abs_max=inf, nonfinite=1)
+        >>> AbsRange.of([_summary(torch.tensor([0.0, -3.0, 0.5, float("inf"), -float("inf")]))])
+        AbsRange(abs_min=0.5, abs_max=inf, nonfinite=2, neg_inf=1)
     """
 
     abs_min: float
     abs_max: float
     nonfinite: int
+    neg_inf: int = 0
 
     @property
     def finite(self) -> bool:
         """Whether every value is finite."""
         return self.nonfinite == 0
 
+    @property
+    def finite_or_masked(self) -> bool:
+        """Whether every value is finite or -inf (the autopsy takes a -inf among a module's inputs for a mask)."""
+        return self.nonfinite == self.neg_inf
+
     @classmethod
     def of(cls, summaries: Sequence[Tensor | Sequence[float]]) -> AbsRange | None:
-        """Merge per-tensor summaries (``[abs-min of non-zeros, abs-max, non-finite count]``); ``None`` if none."""
+        """Merge per-tensor summaries (``[abs-min of non-zeros, abs-max, non-finite, -inf]``); ``None`` if none."""
         rows = [s.tolist() if isinstance(s, Tensor) else list(s) for s in summaries]
         if not rows:
             return None
@@ -85,7 +92,8 @@ class AbsRange:
         abs_max = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
         abs_min = min(row[0] for row in rows)
         no_nonzero = math.isinf(abs_min) and not abs_max > 0  # the summaries' inf stands for "no non-zero value"
-        return cls(0.0 if no_nonzero else abs_min, abs_max, round(sum(row[2] for row in rows)))
+        counts = [round(sum(row[i] for row in rows)) for i in (2, 3)]
+        return cls(0.0 if no_nonzero else abs_min, abs_max, *counts)
 
     def __str__(self) -> str:
         bad = f", {self.nonfinite} inf/NaN" if self.nonfinite else ""
@@ -189,13 +197,17 @@ high). The first non-finite gradient appeared in the backward of `fc` (Linear).
             return self._loss_text()
         outputs, inputs, fp32 = stats.outputs, stats.inputs, stats.fp32_outputs
         what = _nonfinite_word(outputs)
-        if inputs is not None and not inputs.finite:
+        if inputs is not None and not inputs.finite_or_masked:
             return (
                 f"layer {self._where()} is the first module with a non-finite forward output, but its inputs already "
                 f"held {inputs.nonfinite} inf/NaN values: they come from the batch or from code outside any module. "
                 f"Loss scaling cannot fix this: check the batch and the code that feeds `{self.module}`."
             )
-        given = "from finite inputs" if inputs is None else f"from finite inputs (abs-max {_num(inputs.abs_max)})"
+        given = "from finite inputs"
+        if inputs is not None and inputs.neg_inf:
+            given += " (but for the -inf of a mask)"
+        elif inputs is not None:
+            given += f" (abs-max {_num(inputs.abs_max)})"
         cannot = "loss scaling cannot fix this"
         if fp32 is None:
             return (
@@ -372,14 +384,14 @@ class _Call:
 
 
 def _summary(tensor: Tensor) -> Tensor:
-    """``[smallest non-zero |x| (inf if none), largest |x|, count of inf/NaN]`` as a float32 tensor on its device."""
+    """``[smallest non-zero |x| (inf if none), max |x|, count of inf/NaN, count of -inf]``, float32, on its device."""
     values = tensor.detach()
     if values.numel() == 0:
-        return torch.tensor([math.inf, 0.0, 0.0], device=values.device)
+        return torch.tensor([math.inf, 0.0, 0.0, 0.0], device=values.device)
     magnitudes = values.abs()
     smallest = torch.where(magnitudes > 0, magnitudes, math.inf).amin()
-    count = (~torch.isfinite(values)).sum()
-    return torch.stack([smallest.float(), magnitudes.amax().float(), count.float()])
+    counts = (~torch.isfinite(values)).sum(), torch.isneginf(values).sum()
+    return torch.stack([smallest.float(), magnitudes.amax().float(), *(c.float() for c in counts)])
 
 
 class _Recorder:
@@ -437,6 +449,10 @@ class _Recorder:
     def finite(self, rows: Iterable[int]) -> bool:
         """Whether the tensors of these rows were all finite (after :meth:`read`)."""
         return all(self.rows[r][2] == 0 for r in rows)
+
+    def masked(self, rows: Iterable[int]) -> bool:
+        """Whether the tensors of these rows were finite but for -inf (after :meth:`read`)."""
+        return all(self.rows[r][2] == self.rows[r][3] for r in rows)
 
     def _row(self, tensor: Tensor) -> int:
         self._pending.append(_summary(tensor))
@@ -514,16 +530,16 @@ class _Recorder:
     def forward_origin(self) -> _Call | None:
         """The call where the forward went non-finite, or ``None`` when every module's output stayed finite.
 
-        That is the first call, in the order calls finished (inner before outer), whose non-finite output escaped every
-        enclosing module and that no consumer made finite again; one whose inputs were finite comes first.
+        The suspects are the calls whose non-finite output escaped every enclosing module (none of them returned
+        finite values) and that no consumer made finite again. The first to finish (inner before outer) is blamed,
+        among, in this order: those with finite inputs (-inf taken for a mask) and +inf or NaN in their output; those
+        with finite inputs (a -inf output is likelier a mask than an overflow); the rest.
         """
         done = sorted((c for c in self.calls if c.finished is not None), key=lambda c: c.finished or 0)
         absorbed = {p for c in done if c.outputs and self.finite(c.outputs) for p in c.producers}
         suspects = [c for c in done if not self.finite(c.outputs) and c.index not in absorbed and self._escaped(c)]
-        clean_inputs = [c for c in suspects if self.finite(c.inputs)]
-        if clean_inputs or suspects:
-            return (clean_inputs or suspects)[0]
-        return None
+        ranked = sorted(suspects, key=lambda c: (not self.masked(c.inputs), self.masked(c.outputs)))
+        return ranked[0] if ranked else None
 
     def backward_origin(self, own_grads_finite: Callable[[nn.Module], bool]) -> _Call | None:
         """The call where the backward went non-finite, or ``None`` when that happened outside every module.
