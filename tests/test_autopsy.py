@@ -509,12 +509,22 @@ def test_a_run_that_returns_no_scalar_loss_raises_type_error() -> None:
         run_autopsy(model, lambda: model(x), rng=RngState.capture(), scale=2.0, step=0, dtype=FP16)
 
 
-def test_rng_state_puts_back_torch_python_and_numpy_streams() -> None:
-    state = RngState.capture(numpy=True)
+def test_rng_state_with_host_puts_back_torch_python_and_numpy_streams() -> None:
+    state = RngState.capture(host=True)
     drawn = torch.rand(4), random.random(), np.random.rand()
     state.restore()
     assert torch.equal(drawn[0], torch.rand(4)) and drawn[1] == random.random() and drawn[2] == np.random.rand()
-    assert RngState.capture().numpy is None  # the batch-start capture leaves NumPy out (the replay restores it anyway)
+
+
+def test_the_batch_start_capture_holds_torchs_generators_only() -> None:
+    # Python's and NumPy's cost more than torch's and a forward rarely draws from them; the replay restores them anyway.
+    state = RngState.capture()
+    torch_draw = torch.rand(4)
+    random.random()
+    python_after = random.getstate()
+    state.restore()
+    assert (state.python, state.numpy) == (None, None)
+    assert torch.equal(torch_draw, torch.rand(4)) and random.getstate() == python_after
 
 
 def test_a_caller_that_carries_autocast_itself_gets_the_same_diagnosis_with_fp32_unknown() -> None:

@@ -16,9 +16,9 @@ Modules are judged by their outputs: a module that makes -inf inside its forward
 finite values is never blamed, nor is a module whose -inf output a later module turns into finite values.
 
 Replays: one with hooks at the scale used; for gradients non-finite there, one with hooks at ``min_scale``; then either
-about log2(scale) hookless ones (a binary search for ``safe_scale``) or one in FP32. A forward culprit costs one more,
-partial replay (its forward rerun in FP32). Nothing is left behind: see :func:`~lightning_amp_plus.numerics.replay.
-untouched`.
+a binary search for ``safe_scale`` over the powers of two in between (5 hookless replays from 2**24 down to 1) or one
+replay in FP32. A forward culprit costs one more, partial replay (its forward rerun in FP32). Nothing is left behind:
+see :func:`~lightning_amp_plus.numerics.replay.untouched`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_amp_plus.numerics.checks import check_int, check_real
+from lightning_amp_plus.numerics.checks import check_int, check_real, show
 from lightning_amp_plus.numerics.formats import Format, format_of
 from lightning_amp_plus.numerics.replay import (
     AutocastProbe,
@@ -343,17 +343,17 @@ it in FP32 with `keep_fp32=(Linear,)` or train in bf16.
 
 def _check_arguments(model: object, run: object, rng: object, autocast: object) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"`run_autopsy(model={model!r})` must be an nn.Module: the model whose step was skipped.")
+        raise TypeError(f"`run_autopsy(model={show(model)})` must be an nn.Module: the model whose step was skipped.")
     if not callable(run):
-        raise TypeError(f"`run_autopsy(run={run!r})` must be a callable that reruns the batch and returns its loss.")
+        raise TypeError(f"`run_autopsy(run={show(run)})` must be a callable that reruns the batch, returning its loss.")
     if not isinstance(rng, RngState):
         raise TypeError(
-            f"`run_autopsy(rng={rng!r})` must be an RngState: capture one at the start of each batch with "
+            f"`run_autopsy(rng={show(rng)})` must be an RngState: capture one at the start of each batch with "
             "`RngState.capture()`."
         )
     if autocast is not None and not callable(autocast):
         raise TypeError(
-            f"`run_autopsy(autocast={autocast!r})` must be a callable returning a context manager, e.g. "
+            f"`run_autopsy(autocast={show(autocast)})` must be a callable returning a context manager, e.g. "
             '`lambda: torch.autocast("cuda", dtype=torch.float16)`, or None.'
         )
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_amp_plus.numerics.checks import check_real
+from lightning_amp_plus.numerics.checks import check_real, show
 from lightning_amp_plus.numerics.formats import format_of, headroom_bits
 from lightning_amp_plus.numerics.replay import AutocastProbe, RngState, device_type, floating_tensors, untouched
 
@@ -119,7 +119,7 @@ def measure_headroom(
         "measure_headroom", "scale", scale, "a finite number > 0: the current loss scale", lambda s: s > 0
     )
     if rng is not None and not isinstance(rng, RngState):
-        raise TypeError(f"`measure_headroom(rng={rng!r})` must be an RngState (from `RngState.capture()`) or None.")
+        raise TypeError(f"`measure_headroom(rng={show(rng)})` must be an RngState (from `RngState.capture()`) or None.")
     layers = {
         name: params
         for name, module in model.named_modules()
