@@ -14,15 +14,18 @@ from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_amp_plus.numerics.checks import check_bool, check_int
+from lightning_amp_plus.numerics.compensated import Method
 from lightning_amp_plus.numerics.guard import GradientGuard, NonfiniteGuard
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
 
 __all__ = [
+    "COMPENSATIONS",
     "DEFAULT",
     "DEFAULT_SKIPS",
     "PRECISIONS",
     "check_bool",
+    "check_compensation",
     "check_device",
     "check_device_supports",
     "check_module_types",
@@ -30,6 +33,7 @@ __all__ = [
     "check_skip_limit",
     "default_device",
     "guard_for",
+    "refuse_for_half_weights",
     "refuse_removed_options",
     "refuse_sharded_master_weights",
     "scaler_for",
@@ -39,7 +43,8 @@ __all__ = [
     "world_size",
 ]
 
-PRECISIONS = ("16-mixed", "bf16-mixed")
+PRECISIONS = ("16-mixed", "bf16-mixed", "bf16-true")
+COMPENSATIONS = ("auto", "kahan", "stochastic", None)
 # The default of `max_consecutive_skips`. With a scaler passed too, any other value must equal the scaler's own limit.
 DEFAULT_SKIPS = 50
 # Asks `scaler_for` for a default scaler (None, given to a setter, is refused for fp16).
@@ -58,9 +63,38 @@ def guard_for(
 
 
 def check_precision(name: str, precision: object) -> None:
-    """Refuse a precision other than the two mixed ones, naming the plugin."""
+    """Refuse a precision other than the two mixed ones and bf16-true, naming the plugin."""
     if precision not in PRECISIONS:
-        raise ValueError(f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed'.")
+        raise ValueError(
+            f"`{name}(precision={precision!r})` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'."
+        )
+
+
+def check_compensation(name: str, precision: str, compensation: object) -> Method | None:
+    """The compensation to use: ``"auto"`` is Kahan for bf16-true and none otherwise; any other for mixed is refused."""
+    if compensation not in COMPENSATIONS:
+        raise ValueError(
+            f"`{name}(compensation={compensation!r})` is not supported: use 'kahan', 'stochastic', None (plain "
+            "bf16-true, which loses updates smaller than half a bf16 spacing) or 'auto' (Kahan for bf16-true)."
+        )
+    if precision != "bf16-true":
+        if compensation not in ("auto", None):
+            raise ValueError(
+                f"`{name}({precision!r}, compensation={compensation!r})`: compensation applies to bf16 weights, "
+                f"precision='bf16-true'. {precision!r} keeps FP32 weights, which need none: drop compensation."
+            )
+        return None
+    return "kahan" if compensation == "auto" else compensation  # type: ignore[return-value]
+
+
+def refuse_for_half_weights(name: str, master_weights: bool, keep_fp32: tuple[type[nn.Module], ...]) -> None:
+    """bf16-true keeps bf16 weights: FP32 masters and FP32 regions belong to the mixed precisions."""
+    for option, given in (("master_weights", master_weights), ("keep_fp32", keep_fp32)):
+        if given:
+            raise ValueError(
+                f"`{name}('bf16-true', {option}={given!r})`: bf16-true keeps the weights in bf16 (compensated; that "
+                f"is its memory saving). For FP32 weights use 'bf16-mixed' with {option}; or drop {option}."
+            )
 
 
 def check_device(name: str, device: object) -> str | None:
@@ -74,9 +108,9 @@ def check_device(name: str, device: object) -> str | None:
 
 def check_device_supports(name: str, device: str, precision: str) -> None:
     """Refuse bf16 on a GPU without it; warn about fp16 autocast on CPU (correct, but slow)."""
-    if device == "cuda" and precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+    if device == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise ValueError(
-            f"`{name}(precision='bf16-mixed')`: this GPU ({torch.cuda.get_device_name()}) does not support bfloat16. "
+            f"`{name}(precision={precision!r})`: this GPU ({torch.cuda.get_device_name()}) does not support bfloat16. "
             "Use precision='16-mixed'."
         )
     if device == "cpu" and precision == "16-mixed":
@@ -109,7 +143,7 @@ def check_module_types(name: str, option: str, value: object) -> tuple[type[nn.M
 
 def scaler_for(precision: str, scaler: object, limit: int | None, limit_given: bool, where: str) -> GradientGuard:
     """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``_DEFAULT``."""
-    if precision == "bf16-mixed":
+    if precision != "16-mixed":
         raise ValueError(
             f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
         )

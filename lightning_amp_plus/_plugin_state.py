@@ -22,11 +22,14 @@ __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
 FORMAT = "lightning_amp_plus/1"
 
 
-def save_state(engine: StepEngine, precision: str, master_weights: bool, **extra: Any) -> dict[str, Any]:
-    """The plugin's state: ``{}`` when nothing is checked (nothing to restore)."""
-    if engine.guard is None and not extra:
+def save_state(engine: StepEngine, precision: str, master_weights: bool, compensation: str | None) -> dict[str, Any]:
+    """The plugin's state: ``{}`` when nothing is checked nor compensated (nothing to restore)."""
+    if engine.guard is None and compensation is None:
         return {}
-    return {"format": FORMAT, "precision": precision, "master_weights": master_weights, **engine.state_dict(), **extra}
+    state = {"format": FORMAT, "precision": precision, "master_weights": master_weights, **engine.state_dict()}
+    if compensation is not None:
+        state["compensation_method"] = compensation
+    return state
 
 
 def is_grad_scaler_state(state: dict[str, Any]) -> bool:
@@ -54,9 +57,15 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mappi
     if state.get("format") != FORMAT or "scaler" not in state or "precision" not in state:
         raise ValueError(_unreadable(state, owner))
     for key, mine in settings.items():
-        _check_saved_setting(state, key, mine, owner)
+        _check_saved_setting(state, "compensation_method" if key == "compensation" else key, mine, owner)
     held = _saved_count(state, "held_scheduler_steps", owner)
-    engine.load_state_dict(state["scaler"], held)
+    compensation = state.get("compensation")
+    if compensation is not None and not isinstance(compensation, list):
+        raise TypeError(
+            f"The checkpoint's {owner} state holds compensation={type(compensation).__name__}; expected a list (one "
+            f"state per optimizer). Remove checkpoint['{owner}'] to start the compensation afresh."
+        )
+    engine.load_state_dict(state["scaler"], held, compensation)
     return state
 
 

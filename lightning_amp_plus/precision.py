@@ -14,14 +14,16 @@ rest.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -33,6 +35,7 @@ from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
     check_bool,
+    check_compensation,
     check_device,
     check_device_supports,
     check_module_types,
@@ -40,12 +43,14 @@ from lightning_amp_plus._front_end import (
     check_skip_limit,
     default_device,
     guard_for,
+    refuse_for_half_weights,
     refuse_removed_options,
     refuse_sharded_master_weights,
     scaler_for,
     set_up_ranks,
     user_names,
 )
+from lightning_amp_plus.numerics.checks import check_int
 from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
 from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
 from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
@@ -58,12 +63,13 @@ _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
 class MixedPrecisionPlugin(EngineReadings, Precision):
-    """Mixed-precision training with autocast, a from-scratch dynamic loss scaler and optional FP32 master weights.
+    """Mixed-precision training with autocast, a from-scratch dynamic loss scaler, FP32 master weights, or bf16 weights.
 
     ``"16-mixed"`` runs forward under fp16 autocast and scales the loss with a :class:`DynamicLossScaler`;
-    ``"bf16-mixed"`` runs under bf16 autocast without scaling. In both, an optimizer step whose gradients hold inf/NaN
-    is skipped: parameters and optimizer state stay untouched and, by default, so do the LR schedulers of that
-    optimizer.
+    ``"bf16-mixed"`` runs under bf16 autocast without scaling; ``"bf16-true"`` holds the model in bf16 (the memory of
+    Lightning's ``bf16-true``) and steps it with compensated updates (``compensation``), so updates too small for a
+    bf16 weight are not lost. In all three, an optimizer step whose gradients hold inf/NaN is skipped: parameters and
+    optimizer state stay untouched and, by default, so do the LR schedulers of that optimizer.
 
     Each optimizer step reads as the recipe: the closure runs (forward under autocast, backward of the scaled loss);
     the gradients are unscaled exactly once, checked and measured in one pass; ``on_before_optimizer_step`` hooks and
@@ -72,7 +78,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     under manual optimization.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the model's device at setup.
         scaler: the loss scaler for ``"16-mixed"`` (a default :class:`DynamicLossScaler` if ``None``); not for bf16.
         skip_nonfinite: with ``"bf16-mixed"``, skip steps whose gradients are non-finite (on by default). fp16 always
@@ -88,6 +94,12 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
             all-reduced in the half dtype (half the bytes). See the README's "FP32 master weights".
         keep_fp32: module types whose forward runs in FP32 (autocast off inside them, their inputs widened): for a
             layer whose fp16 output overflows, or that needs FP32 precision.
+        compensation: with ``"bf16-true"``, how the bf16 weights keep updates smaller than their spacing:
+            ``"kahan"`` (a bf16 buffer holds each update's rounding error; the default, ``"auto"``),
+            ``"stochastic"`` (unbiased random rounding, no buffer) or ``None`` (Lightning's plain ``bf16-true``:
+            such updates are lost). The model's own ``torch.optim.AdamW``, ``Adam`` or ``SGD`` is stepped so (others
+            are refused at setup); its state keeps torch's format. Refused with the mixed precisions.
+        rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
 
     Attributes:
         scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it. Assigning another
@@ -107,7 +119,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     def __init__(
         self,
-        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
+        precision: Literal["16-mixed", "bf16-mixed", "bf16-true"] = "16-mixed",
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
         *,
@@ -116,6 +128,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
+        compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
+        rounding_seed: int = 0,
         half_modules: object = None,
         fp32_grad_accumulation: object = True,
     ) -> None:
@@ -133,11 +147,17 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self.precision = precision
         self.master_weights = master_weights
         self.keep_fp32: tuple[type[nn.Module], ...] = check_module_types(name, "keep_fp32", keep_fp32)
+        self.compensation = check_compensation(name, precision, compensation)
+        if precision == "bf16-true":
+            refuse_for_half_weights(name, master_weights, self.keep_fp32)
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
         self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
         self._skip_limit_given = max_consecutive_skips != DEFAULT_SKIPS
         guard = guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit)
-        self.engine = StepEngine(guard, hold_schedulers=hold_schedulers_on_skip)
+        seed = check_int(name, "rounding_seed", rounding_seed, 0)
+        self.engine = StepEngine(
+            guard, hold_schedulers=hold_schedulers_on_skip, compensation=self.compensation, seed=seed
+        )
         self._hooks_read_gradients = True
         self._fp32_hooks: list[RemovableHandle] = []
         self._update_pending = False
@@ -155,7 +175,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._set_scaler(scaler, f"`{type(self).__name__}.scaler = {scaler!r}`")
 
     def _set_scaler(self, scaler: DynamicLossScaler | None, where: str) -> None:
-        if scaler is None and self.precision == "bf16-mixed":
+        if scaler is None and self.precision != "16-mixed":
             return  # bf16 has no scaler to replace (its check stays)
         self.engine.guard = scaler_for(self.precision, scaler, self._skip_limit, self._skip_limit_given, where)
 
@@ -178,8 +198,12 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     @property
     def half_dtype(self) -> torch.dtype:
-        """The autocast dtype: fp16 or bf16."""
-        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
+        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+
+    @property
+    def _half_weights(self) -> bool:
+        return self.precision == "bf16-true"
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
@@ -191,11 +215,27 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
                 f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r}) instead "
                 "(`L.Fabric(plugins=[lightning_amp_plus.fabric.MixedPrecisionPlugin(...)])`)."
             )
+        if self._half_weights:
+            return module.to(dtype=torch.bfloat16)  # as Lightning's bf16-true: parameters and buffers
         if self.master_weights and _fitting(module):
             refuse_sharded_master_weights(type(self).__name__, module)
             # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
             widen_to_fp32_(half_parameters(module))
         return module
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        return _DtypeContextManager(torch.bfloat16) if self._half_weights else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        return self.tensor_init_context()
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if not self._half_weights:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16)
 
     @override
     def connect(
@@ -270,7 +310,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
+        # bf16-true: tensors made during forward default to bf16, as under Lightning's bf16-true.
+        with _DtypeContextManager(torch.bfloat16) if self._half_weights else self.autocast_context_manager():
             yield
 
     @override
@@ -347,12 +388,14 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # --------------------------------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        # The FP32 weights themselves are in checkpoint["state_dict"]: the model holds them.
-        return _plugin_state.save_state(self.engine, self.precision, self.master_weights)
+        # The weights themselves are in checkpoint["state_dict"]: the model holds them (FP32, or bf16 for bf16-true).
+        return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        settings = {"precision": self.precision, "master_weights": self.master_weights}
+        settings: dict[str, object] = {"precision": self.precision, "master_weights": self.master_weights}
+        if self.compensation is not None:
+            settings["compensation"] = self.compensation
         _plugin_state.load_state(state_dict, self.engine, owner=self._checkpoint_key, settings=settings)
 
     @override

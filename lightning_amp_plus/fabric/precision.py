@@ -22,12 +22,12 @@ the rest.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.precision import Precision
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
@@ -38,6 +38,7 @@ from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
     check_bool,
+    check_compensation,
     check_device,
     check_device_supports,
     check_module_types,
@@ -45,11 +46,13 @@ from lightning_amp_plus._front_end import (
     check_skip_limit,
     default_device,
     guard_for,
+    refuse_for_half_weights,
     refuse_sharded_master_weights,
     scaler_for,
     set_up_ranks,
     user_names,
 )
+from lightning_amp_plus.numerics.checks import check_int
 from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
 from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
 from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
@@ -62,14 +65,18 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
 
     ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
-    under bf16 autocast. An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state
-    untouched) and counted, in both precisions, with fused optimizers too, and whether or not you clip. Parameters equal
+    under bf16 autocast; ``"bf16-true"`` holds the model in bf16 and steps it with compensated updates (as the
+    Trainer's plugin; its ``compensation`` and ``rounding_seed``). Compensators are made at each optimizer's first
+    step (Fabric shows the plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
+
+    An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted,
+    in every precision, with fused optimizers too, and whether or not you clip. Parameters equal
     those of Fabric's own ``MixedPrecision`` with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and
     unscale; the check made once, before any clipping). Inputs and outputs are converted as Fabric's plugin converts
     them.
 
     Args:
-        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
         device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the model's at setup.
         scaler: the loss scaler for ``"16-mixed"`` (a default one if ``None``); not for bf16.
         skip_nonfinite: with ``"bf16-mixed"``, skip steps whose gradients are non-finite (on by default).
@@ -77,6 +84,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         master_weights: widen a model built or loaded in fp16/bf16 to FP32 masters at ``fabric.setup`` (see the
             Trainer plugin).
         keep_fp32: module types whose forward runs in FP32 (autocast off inside them).
+        compensation: with ``"bf16-true"``: ``"kahan"`` (default, ``"auto"``), ``"stochastic"`` or ``None``.
+        rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
 
     Attributes:
         scaler: the loss scaler (``None`` for bf16); save it with your checkpoint by putting the plugin in the state:
@@ -96,7 +105,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     def __init__(
         self,
-        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
+        precision: Literal["16-mixed", "bf16-mixed", "bf16-true"] = "16-mixed",
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
         *,
@@ -104,6 +113,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
         keep_fp32: Sequence[type[nn.Module]] | None = None,
+        compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
+        rounding_seed: int = 0,
     ) -> None:
         name = type(self).__name__
         check_precision(name, precision)
@@ -114,12 +125,18 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self.precision = precision
         self.master_weights = master_weights
         self.keep_fp32 = check_module_types(name, "keep_fp32", keep_fp32)
+        self.compensation = check_compensation(name, precision, compensation)
+        if precision == "bf16-true":
+            refuse_for_half_weights(name, master_weights, self.keep_fp32)
         self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
-        self.engine = StepEngine(guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit))
+        guard = guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit)
+        seed = check_int(name, "rounding_seed", rounding_seed, 0)
+        self.engine = StepEngine(guard, hold_schedulers=False, compensation=self.compensation, seed=seed)
         self._desired_input_dtype = self.half_dtype
         self._names: list[tuple[str, Tensor]] = []
         self._fp32_hooks: list[RemovableHandle] = []
         self._ranks_known = False
+        self._optimizers_seen: set[int] = set()
         self._stand_ins: dict[torch.device, Tensor] = {}
 
     def __repr__(self) -> str:
@@ -138,7 +155,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     @scaler.setter
     def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        if scaler is None and self.precision == "bf16-mixed":
+        if scaler is None and self.precision != "16-mixed":
             return
         where = f"`{type(self).__name__}.scaler = {scaler!r}`"
         limit = self._skip_limit
@@ -146,8 +163,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     @property
     def half_dtype(self) -> torch.dtype:
-        """The autocast dtype: fp16 or bf16."""
-        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
+        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
 
     @property
     def min_scale(self) -> float | None:
@@ -157,6 +174,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # -------------------------------------------------------------------------------------------------- set-up
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.precision == "bf16-true":
+            module = module.to(dtype=torch.bfloat16)  # as Fabric's bf16-true: parameters and buffers
         if self.master_weights:
             refuse_sharded_master_weights(type(self).__name__, module)
             widen_to_fp32_(half_parameters(module))  # FP32 masters, before Fabric moves and wraps the model
@@ -169,11 +188,15 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     def _set_up(self, optimizer: Optimizer) -> None:
         """What Fabric never tells a plugin at set-up, learnt at the first step: the ranks, the names, the device."""
-        if isinstance(optimizer, LBFGS) and self.engine.guard is not None:
-            raise TypeError(
-                f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
-                "closure inside `step()`, where gradients cannot be checked or unscaled first."
-            )
+        if id(optimizer) not in self._optimizers_seen:
+            self._optimizers_seen.add(id(optimizer))
+            if isinstance(optimizer, LBFGS) and self.engine.guard is not None:
+                raise TypeError(
+                    f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
+                    "closure inside `step()`, where gradients cannot be checked or unscaled first."
+                )
+            if self.compensation is not None:
+                self.engine.compensator(optimizer)  # refuses an optimizer it does not implement, before its step
         guard = self.engine.guard
         if self._ranks_known or guard is None:
             return
@@ -188,7 +211,17 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # ---------------------------------------------------------------------------------------------- autocast
     @override
     def forward_context(self) -> AbstractContextManager[Any]:
+        if self.precision == "bf16-true":
+            return _DtypeContextManager(torch.bfloat16)  # as Fabric's bf16-true: tensors made in forward are bf16
         return torch.autocast(self.device or default_device(), dtype=self.half_dtype)
+
+    @override
+    def tensor_init_context(self) -> AbstractContextManager[Any]:
+        return _DtypeContextManager(torch.bfloat16) if self.precision == "bf16-true" else nullcontext()
+
+    @override
+    def module_init_context(self) -> AbstractContextManager[Any]:
+        return self.tensor_init_context()
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -239,11 +272,13 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # --------------------------------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return _plugin_state.save_state(self.engine, self.precision, self.master_weights)
+        return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        settings = {"precision": self.precision, "master_weights": self.master_weights}
+        settings: dict[str, object] = {"precision": self.precision, "master_weights": self.master_weights}
+        if self.compensation is not None:
+            settings["compensation"] = self.compensation
         _plugin_state.load_state(state_dict, self.engine, owner=type(self).__name__, settings=settings)
 
     @override

@@ -12,9 +12,10 @@ A front end adapts its framework's hooks; the engine does the step, in the order
 5. :meth:`StepEngine.end_batch`: move the loss scale once for everything stepped since the last call.
 
 Who owns what: the engine owns the guard (:class:`~.scaler.DynamicLossScaler` for fp16, :class:`~.guard.NonfiniteGuard`
-for bf16, or none), the record of recent steps and the LR schedulers it holds while their steps are skipped
-(:mod:`~.schedulers`). The guard owns each optimizer's stage and the skip counters. The front end owns the framework's
-objects (autocast, the model, hooks, checkpoints' keys).
+for bf16, or none), the record of recent steps, the LR schedulers it holds while their steps are skipped
+(:mod:`~.schedulers`) and, for compensated bf16 weights, each optimizer's :class:`~.compensated.Compensator` (which
+takes the place of ``optimizer.step()``). The guard owns each optimizer's stage and the skip counters. The front end
+owns the framework's objects (autocast, the model, hooks, checkpoints' keys).
 
 Example:
     >>> from torch import nn
@@ -38,6 +39,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_amp_plus.numerics import schedulers
+from lightning_amp_plus.numerics.compensated import Compensator, Footprint, Method, footprint
 from lightning_amp_plus.numerics.guard import GradientGuard
 from lightning_amp_plus.numerics.outcome import StepResult
 
@@ -53,11 +55,23 @@ class StepEngine:
         guard: the fp16 scaler, the bf16 check, or ``None`` (nothing checked: the step is always taken).
         hold_schedulers: hold an LR scheduler still while every step of its optimizer since its last step was skipped.
 
+        compensation: ``"kahan"`` or ``"stochastic"`` to step bf16 weights with compensated updates (see
+            :meth:`compensate`), ``None`` for the optimizers' own steps.
+        seed: the seed of the stochastic-rounding streams.
+
     State: the guard; the recent step results, newest last, and the count of steps taken; each optimizer's position
-    and its last recorded result; the scheduler ledger and the held schedulers.
+    and its last recorded result; the scheduler ledger and the held schedulers; the compensators, by optimizer
+    position, and a compensation state loaded before they existed.
     """
 
-    def __init__(self, guard: GradientGuard | None, *, hold_schedulers: bool = True) -> None:
+    def __init__(
+        self,
+        guard: GradientGuard | None,
+        *,
+        hold_schedulers: bool = True,
+        compensation: Method | None = None,
+        seed: int = 0,
+    ) -> None:
         self._guard = guard
         self.hold_schedulers = hold_schedulers
         self.recent_steps: deque[StepResult] = deque(maxlen=_RECENT_STEPS)
@@ -68,6 +82,10 @@ class StepEngine:
         self._recorded: dict[int, StepResult] = {}
         self._ledger = schedulers.StepLedger()
         self._held: list[Any] = []
+        self.compensation = compensation
+        self.seed = seed
+        self._compensators: dict[int, Compensator] = {}
+        self._pending_compensation: list[dict[str, Any] | None] | None = None
 
     # ------------------------------------------------------------------------------------------------ the guard
     @property
@@ -86,8 +104,33 @@ class StepEngine:
         self._guard = guard
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Number the optimizers as the front end lists them (``StepResult.optimizer``)."""
+        """Number the optimizers as the front end lists them (``StepResult.optimizer``); compensate them if asked.
+
+        Raises:
+            TypeError: with compensation, an optimizer the compensated update does not implement (named, with the
+                supported ones) or options it does not take: refused before any step.
+        """
         self._positions = {id(optimizer): index for index, optimizer in enumerate(optimizers)}
+        if self.compensation is not None:
+            for optimizer in optimizers:
+                self.compensator(optimizer)
+
+    def compensator(self, optimizer: Optimizer) -> Compensator:
+        """The compensator of ``optimizer``, made (and given any state loaded for it) the first time it is asked."""
+        if id(optimizer) not in self._compensators:
+            assert self.compensation is not None
+            position = self._positions.setdefault(id(optimizer), len(self._positions))
+            compensator = Compensator(optimizer, self.compensation, seed=self.seed)
+            pending = self._pending_compensation
+            if pending is not None and position < len(pending) and pending[position] is not None:
+                compensator.load_state_dict(pending[position])  # type: ignore[arg-type]
+                pending[position] = None
+            self._compensators[id(optimizer)] = compensator
+        return self._compensators[id(optimizer)]
+
+    def footprints(self) -> list[Footprint]:
+        """Each compensated optimizer's bytes of weights, compensation buffers and state, counted from the tensors."""
+        return [footprint(c.optimizer, c) for c in self._compensators.values()]
 
     # --------------------------------------------------------------------------------------------- the recipe
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -135,6 +178,10 @@ class StepEngine:
         Raises:
             FloatingPointError: the guard's skip limit was reached.
         """
+        if apply is None and self.compensation is not None:
+            if kwargs:
+                raise ValueError(f"A compensated step takes no arguments (no closure), got {sorted(kwargs)}.")
+            apply = self.compensator(optimizer).step
         if self._guard is None:
             output = optimizer.step(**kwargs) if apply is None else apply()
             self._record(optimizer, StepResult.known(skipped=False, scale=None, grad_norm=None))
@@ -203,17 +250,40 @@ class StepEngine:
 
     # ---------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The guard's state and the scheduler steps held (plain Python values)."""
-        return {
+        """The guard's state, the scheduler steps held and, with compensation, each optimizer's compensator state.
+
+        Plain Python values and tensors only (what ``torch.load(weights_only=True)`` reads).
+        """
+        state: dict[str, Any] = {
             "held_scheduler_steps": self._ledger.held_steps,
             "scaler": {} if self._guard is None else self._guard.state_dict(),
         }
+        if self.compensation is not None:
+            by_position = {self._positions[key]: c for key, c in self._compensators.items()}
+            slots = max(by_position, default=-1) + 1
+            state["compensation"] = [by_position[i].state_dict() if i in by_position else None for i in range(slots)]
+        return state
 
-    def load_state_dict(self, scaler: dict[str, Any], held_scheduler_steps: int) -> None:
-        """Restore the guard's state and the count of held scheduler steps (checked by the front end)."""
+    def load_state_dict(
+        self, scaler: dict[str, Any], held_scheduler_steps: int, compensation: list[Any] | None = None
+    ) -> None:
+        """Restore the guard's state, the count of held scheduler steps and the compensators' states.
+
+        A compensator not made yet (Fabric meets its optimizers at their first step) gets its state when it is.
+        """
         if self._guard is not None:
             self._guard.load_state_dict(scaler)
         self._ledger.held_steps = held_scheduler_steps
+        if compensation is None:
+            return
+        by_position = {self._positions[key]: c for key, c in self._compensators.items()}
+        pending: list[dict[str, Any] | None] = []
+        for position, saved in enumerate(compensation):
+            if position in by_position and saved is not None:
+                by_position[position].load_state_dict(saved)
+                saved = None
+            pending.append(saved)
+        self._pending_compensation = pending
 
     # -------------------------------------------------------------------------------------------------- private
     def _record(self, optimizer: Optimizer, result: StepResult) -> None:
