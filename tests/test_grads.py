@@ -153,7 +153,9 @@ def test_clip_by_norm_with_the_global_norm_matches_torch_clip_grad_norm(max_norm
     for p, t in zip(params, ours, strict=True):
         p.grad = t.clone()
     total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    clip_by_norm_(ours, float(global_norm(ours)), max_norm)
+    measured = global_norm(ours)
+    assert measured.item() == total.item()
+    clip_by_norm_(ours, float(measured), max_norm)
     # Same formula (max_norm / (norm + 1e-6)) and the same total norm: identical results.
     for got, p in zip(ours, params, strict=True):
         torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
