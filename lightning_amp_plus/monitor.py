@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -23,11 +25,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
+from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
 from lightning_amp_plus.numerics.engine import StepEngine
 from lightning_amp_plus.numerics.grads import nonfinite_names
+from lightning_amp_plus.numerics.headroom import LayerHeadroom, measure_headroom
 from lightning_amp_plus.numerics.outcome import StepResult
-from lightning_amp_plus.numerics.sharding import local_view
+from lightning_amp_plus.numerics.replay import RngState
+from lightning_amp_plus.numerics.sharding import is_dtensor, local_view
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
 __all__ = ["MixedPrecisionMonitor"]
@@ -65,9 +70,26 @@ class MixedPrecisionMonitor(Callback):
     and ends ``fit`` gracefully; when nothing else guards the step, its non-finite gradients are dropped first, so the
     parameters stay as they were.
 
+    **Autopsy** (``autopsy=True``, under this package's plugins): when a step is skipped for non-finite gradients, the
+    monitor replays that batch once with hooks (same parameters, same random numbers; nothing of the replay is left
+    behind: the run ends as it would without) and says where the first inf/NaN came from and why
+    (:class:`~lightning_amp_plus.numerics.autopsy.Autopsy` in :attr:`autopsies`: ``"forward"``, an output that no
+    loss scale can keep finite; ``"scale"``, gradients finite at a lower scale; ``"backward"``, non-finite even at the
+    scale's floor), at most ``autopsy_limit`` per run (a cause found again is said once). Healthy steps pay only a
+    random-state snapshot (about 2 us).
+    Skips while the scale first comes down from ``init_scale`` (before the first applied step) are routine: no
+    autopsy is made for a finite loss then, and none of kind ``"scale"`` is reported or counted; the other kinds are
+    always reported. Replayed: the last micro-batch's ``training_step`` (its ``self.log`` calls silenced), under
+    automatic optimization, on rank zero, unsharded models.
+
+    **Headroom** (``headroom_interval=N``): every N optimizer steps one FP32 replay of the batch reads, per layer,
+    how far activations stay from each format's largest value and how many gradient values the half dtype flushes to
+    zero or makes subnormal at the current scale (:attr:`headroom`), logged as ``amp/headroom/<layer>/...``, drawn
+    in the chart and summarised at the end.
+
     At the end of ``fit`` a one-paragraph summary is printed (steps, skips and rate, scale range, first and last
-    overflow, peak memory, non-finite events) and, with ``report_path``, a PNG chart is written (needs matplotlib:
-    ``pip install 'lightning-amp-plus[report]'``).
+    overflow, peak memory, non-finite events, autopsies, the tightest headroom) and, with ``report_path``, a PNG chart
+    is written (needs matplotlib: ``pip install 'lightning-amp-plus[report]'``).
 
     Works with this package's plugins, Lightning's ``MixedPrecision`` (its ``torch.amp.GradScaler``: a skip shows as a
     scale backoff) and plain ``32-true`` (then it reports what applies). In a Fabric (or plain) loop, call
@@ -83,6 +105,9 @@ class MixedPrecisionMonitor(Callback):
         prog_bar: show the loss scale on the progress bar.
         report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart); a ``.png`` path in a
             folder that can be written or created, checked at construction.
+        autopsy: find where each skipped step's inf/NaN started (see above).
+        autopsy_limit: the most autopsies per run (>= 1).
+        headroom_interval: read per-layer headroom every this many optimizer steps (0: never).
 
     Example:
         >>> from lightning import Trainer
@@ -104,6 +129,9 @@ class MixedPrecisionMonitor(Callback):
         log_memory: bool = True,
         prog_bar: bool = True,
         report_path: str | Path | None = None,
+        autopsy: bool = True,
+        autopsy_limit: int = 3,
+        headroom_interval: int = 0,
     ) -> None:
         name = type(self).__name__
         check_interval = check_int(name, "check_interval", check_interval, 1, hint=", e.g. 1 (every step)")
@@ -115,12 +143,18 @@ class MixedPrecisionMonitor(Callback):
         )
         check_bool(name, "log_memory", log_memory)
         check_bool(name, "prog_bar", prog_bar)
+        check_bool(name, "autopsy", autopsy)
+        autopsy_limit = check_int(name, "autopsy_limit", autopsy_limit, 1, hint=", e.g. 3")
+        headroom_interval = check_int(name, "headroom_interval", headroom_interval, 0, hint=" (0: never), e.g. 50")
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
         self.skip_window = skip_window
         self.skip_warn_rate = skip_warn_rate
         self.log_memory = log_memory
         self.prog_bar = prog_bar
+        self.autopsy = autopsy
+        self.autopsy_limit = autopsy_limit
+        self.headroom_interval = headroom_interval
         # Checked now, before any training: a chart that cannot be written must not cost a whole run.
         self.report_path = None if report_path is None else check_chart_path(report_path)
         self.history = AmpHistory()
@@ -129,6 +163,14 @@ class MixedPrecisionMonitor(Callback):
         """The file the ``"stop"`` policy saved, once it has."""
         self.should_stop = False
         """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
+        self.autopsies: list[Autopsy] = []
+        """The autopsies of this run, oldest first: at most ``autopsy_limit`` are made, and a cause (kind and module)
+        found again is not repeated."""
+        self._autopsies_made = 0
+        self.headroom: dict[str, LayerHeadroom] = {}
+        """The latest headroom reading, by module name (empty until one is made)."""
+        self._rng: RngState | None = None
+        self._headroom_logged: dict[str, LayerHeadroom] | None = None
         self._source: _StepSource = _ScaleReadSteps(None)
         self._recent: deque[bool] = deque(maxlen=skip_window)
         self._applied_yet = False
@@ -151,6 +193,8 @@ class MixedPrecisionMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._source.begin_batch()
+        if self._replays(trainer, pl_module):
+            self._rng = RngState.capture()  # what a replay of this batch needs (about 2 us)
         self._log_this_step = _logs_this_step(trainer)
         if self._log_this_step and self.log_memory and _on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
@@ -178,6 +222,10 @@ class MixedPrecisionMonitor(Callback):
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         # global_step counts every optimizer step, skipped or not
         self._record(steps, trainer.global_step - len(steps), peak)
+        if self._rng is not None:
+            self._examine(steps, trainer.global_step, _trainer_replay(trainer, pl_module, batch, batch_idx), outputs)
+            for key, value in self._headroom_metrics().items():
+                pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
         # global_step counts finished steps: checked after every check_interval-th step, reported at its index.
         if self._checking(trainer.global_step) and not self.should_stop:
             self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
@@ -195,7 +243,22 @@ class MixedPrecisionMonitor(Callback):
             self._finish()
 
     # ------------------------------------------------------------------------------- Fabric and plain loops
-    def observe(self, plugin: Any, *, model: nn.Module | None = None, step: int | None = None) -> dict[str, float]:
+    def batch_start(self) -> None:
+        """Fabric and plain loops: call before each batch's forward if you pass ``replay`` to :meth:`observe`.
+
+        It snapshots the random state (about 2 us) so that a replay of the batch draws the same dropout masks.
+        """
+        if self.autopsy or self.headroom_interval:
+            self._rng = RngState.capture()
+
+    def observe(
+        self,
+        plugin: Any,
+        *,
+        model: nn.Module | None = None,
+        step: int | None = None,
+        replay: Callable[[], Tensor] | None = None,
+    ) -> dict[str, float]:
         """Record the optimizer steps ``plugin`` took since the last call; return this step's metrics for a logger.
 
         For a Fabric loop (``fabric.log_dict(monitor.observe(plugin, model=model))`` after ``optimizer.step()``)
@@ -205,8 +268,11 @@ class MixedPrecisionMonitor(Callback):
 
         Args:
             plugin: the precision plugin whose steps to read.
-            model: the model whose parameters to check (optional).
+            model: the model whose parameters to check, and to replay (optional; Fabric's wrapper is fine).
             step: the step number to record (default: the plugin's count of optimizer steps before these).
+            replay: recomputes this batch's loss with ``model`` (e.g. ``lambda: loss_fn(model(x), y)``), for the
+                autopsy of a skipped step and the headroom readings; call :meth:`batch_start` before the batch's
+                forward. Without it, neither is made.
 
         Returns:
             The ``amp/...`` metrics of the class docstring for the steps taken since the last call (``{}`` if none).
@@ -218,7 +284,7 @@ class MixedPrecisionMonitor(Callback):
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
         if not isinstance(self._source, _EngineSteps) or self._source.engine is not engine:
-            self._start(_EngineSteps(plugin), None)
+            self._start(_EngineSteps(plugin, from_first=True), None)
         steps = self._source.take()
         if not steps:
             return {}
@@ -227,6 +293,9 @@ class MixedPrecisionMonitor(Callback):
         metrics = self._metrics(steps, memory, everything=True)
         self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         last = (first or 0) + len(steps) - 1
+        if model is not None and replay is not None and self._rng is not None:
+            self._examine(steps, last + 1, _Replay.of_fabric(plugin, model, replay), None)
+            metrics.update(self._headroom_metrics())
         if model is not None and self._checking(last + 1):
             self._found(None, model, "parameters", nonfinite_names(list(model.named_parameters())), last)
         return metrics
@@ -243,6 +312,60 @@ class MixedPrecisionMonitor(Callback):
         write_chart(self.history, target)
         return target
 
+    # ------------------------------------------------------------------------------------ autopsy and headroom
+    def _replays(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
+        """Whether this run's batches may be replayed: our plugins, automatic optimization, rank zero, unsharded."""
+        if not (self.autopsy or self.headroom_interval) or not isinstance(self._source, _EngineSteps):
+            return False
+        if not pl_module.automatic_optimization or not trainer.is_global_zero:
+            return False
+        return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._named)
+
+    def _examine(self, steps: list[StepResult], count: int, replay: _Replay | None, outputs: Any) -> None:
+        """After an optimizer step: a skipped step's autopsy, a headroom reading when due (``count``: steps done)."""
+        rng, self._rng = self._rng, None
+        if replay is None or rng is None:
+            return
+        skipped = next((result for result in steps if result.skipped), None)
+        if skipped is not None and self.autopsy and self._autopsies_made < self.autopsy_limit:
+            self._autopsy(skipped, replay, rng, count - 1, outputs)
+        if self.headroom_interval and count % self.headroom_interval == 0:
+            self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
+            self.history.headroom.append((count - 1, self.headroom))
+
+    def _autopsy(self, result: StepResult, replay: _Replay, rng: RngState, step: int, outputs: Any) -> None:
+        descending = not self._applied_before(step) and replay.min_scale < (result.scale or 1.0)
+        if descending and _finite_loss(outputs):
+            return  # the scale coming down from init_scale: routine, and a replay would only say "scale"
+        found = replay.autopsy(rng, result.scale or 1.0, step)
+        if found is None or (descending and found.kind == "scale"):
+            return  # did not reproduce (a rank-local fault), or routine: not reported, not counted
+        self._autopsies_made += 1
+        if any((earlier.kind, earlier.module) == (found.kind, found.module) for earlier in self.autopsies):
+            return  # the same cause again (a fault that persists): said once
+        self.autopsies.append(found)
+        self.history.autopsies.append(found)
+        rank_zero_warn(f"MixedPrecisionMonitor: {found.message}", category=RuntimeWarning)
+
+    def _applied_before(self, step: int) -> bool:
+        return any(not record.skipped for record in self.history.steps if record.step < step)
+
+    def _headroom_metrics(self) -> dict[str, float]:
+        """The latest reading as metrics, once (then forgotten), keyed ``amp/headroom/<layer>/<field>``."""
+        reading = self.history.headroom[-1] if self.history.headroom else None
+        if reading is None or reading[1] is self._headroom_logged:
+            return {}
+        self._headroom_logged = reading[1]
+        metrics: dict[str, float] = {}
+        for name, layer in reading[1].items():
+            prefix = f"amp/headroom/{name or 'model'}/"
+            metrics[prefix + "act_absmax"] = layer.act_absmax
+            metrics[prefix + "grad_absmax"] = layer.grad_absmax
+            metrics[prefix + "grad_flushed_pct"] = layer.grad_flushed_pct
+            metrics[prefix + "grad_subnormal_pct"] = layer.grad_subnormal_pct
+            metrics[prefix + "headroom_bits"] = layer.headroom_bits[str(layer.dtype).removeprefix("torch.")]
+        return metrics
+
     # -------------------------------------------------------------------------------------------------- helpers
     def _start(self, source: _StepSource, memory_kind: str | None) -> None:
         self._source = source
@@ -251,6 +374,9 @@ class MixedPrecisionMonitor(Callback):
         self._applied_yet = False
         self._floor_warned = False
         self.should_stop = False
+        self.autopsies = []
+        self._autopsies_made = 0
+        self.headroom = {}
         # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
         self._skips_seen = source.skips_so_far()
 
@@ -418,18 +544,19 @@ class _StepSource(Protocol):
 class _EngineSteps:
     """The package's plugins: the engine records every optimizer step's result (nothing is read off the scale)."""
 
-    def __init__(self, plugin: Any) -> None:
+    def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
         self._plugin = plugin
         self.engine: StepEngine = plugin.engine
         self.guarded = self.engine.guard is not None
-        self._next = self.engine.steps_taken
+        # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
+        self._next = self.engine.steps_taken - (len(self.engine.recent_steps) if from_first else 0)
 
     def floor(self) -> float | None:
         floor: float | None = getattr(self._plugin, "min_scale", None)
         return floor
 
     def skips_so_far(self) -> int:
-        return self.engine.skipped_steps
+        return self.engine.skipped_steps - sum(result.skipped for result in self.engine.results_since(self._next))
 
     def begin_batch(self) -> None:
         pass
@@ -499,3 +626,77 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
     """
     connector = getattr(trainer, "_logger_connector", None)
     return True if connector is None else bool(connector.should_update_logs)
+
+
+class _Replay:
+    """What the autopsy and the headroom need to replay one batch: the model, its loss, the precision's autocast."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        run: Callable[[], Tensor],
+        autocast: Callable[[], AbstractContextManager[Any]],
+        dtype: torch.dtype,
+        min_scale: float,
+        suspended: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        self.model, self.run, self.autocast, self.dtype, self.min_scale = model, run, autocast, dtype, min_scale
+        self._suspended = suspended  # the front end's own autocast, off during a replay that sets its own
+
+    @classmethod
+    def of_fabric(cls, plugin: Any, model: nn.Module, run: Callable[[], Tensor]) -> _Replay:
+        module = getattr(model, "module", model)  # Fabric's wrapper holds the user's module as `.module`
+        min_scale = plugin.min_scale if getattr(plugin, "min_scale", None) is not None else 1.0
+        suspended = getattr(plugin, "autocast_suspended", nullcontext)
+        return cls(module, run, _autocast_of(plugin), plugin.half_dtype, min_scale, suspended)
+
+    def autopsy(self, rng: RngState, scale: float, step: int) -> Autopsy | None:
+        with self._suspended():
+            return run_autopsy(
+                self.model, self.run, rng=rng, scale=scale, step=step, dtype=self.dtype, autocast=self.autocast,
+                min_scale=self.min_scale,
+            )  # fmt: skip
+
+    def headroom(self, rng: RngState, scale: float) -> dict[str, LayerHeadroom]:
+        with self._suspended():
+            return measure_headroom(self.model, self.run, scale=scale, dtype=self.dtype, rng=rng)
+
+
+def _trainer_replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> _Replay:
+    plugin: Any = trainer.precision_plugin  # one of ours (see MixedPrecisionMonitor._replays)
+
+    def run() -> Tensor:
+        with _silenced(pl_module):  # a replay logs nothing: the run's metrics stay the run's
+            output = pl_module.training_step(batch, batch_idx)
+        loss = output.get("loss") if isinstance(output, dict) else output
+        if not isinstance(loss, Tensor):
+            raise RuntimeError("The replayed training_step returned no loss.")
+        return loss
+
+    min_scale = getattr(plugin, "min_scale", None)
+    return _Replay(pl_module, run, _autocast_of(plugin), plugin.half_dtype, 1.0 if min_scale is None else min_scale)
+
+
+def _autocast_of(plugin: Any) -> Callable[[], AbstractContextManager[Any]]:
+    # The precision's own forward context, as the step ran it (its autocast, or bf16-true's dtype); a Fabric plugin's
+    # even while its wrapper's is suspended for the replay.
+    context: Callable[[], AbstractContextManager[Any]] = getattr(plugin, "precision_context", plugin.forward_context)
+    return context
+
+
+@contextmanager
+def _silenced(module: pl.LightningModule) -> Iterator[None]:
+    """``self.log`` and ``self.log_dict`` do nothing inside (instance attributes shadow the methods, then go)."""
+    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.log
+        del module.log_dict
+
+
+def _finite_loss(outputs: Any) -> bool:
+    """Whether the training_step's loss was finite (``outputs`` as Lightning hands them to on_train_batch_end)."""
+    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+    return isinstance(loss, Tensor) and bool(torch.isfinite(loss).all())

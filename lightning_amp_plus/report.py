@@ -66,6 +66,10 @@ class AmpHistory:
     """``(step, kind, names)`` for each non-finite finding: ``"parameters"`` or ``"gradients"`` found by the monitor's
     own check, ``"overflowed gradients"`` on a step the scaler (or the plugin) skipped."""
     memory_kind: str = "memory"
+    autopsies: list[Any] = field(default_factory=list)
+    """The monitor's autopsies (``numerics.autopsy.Autopsy``), oldest first."""
+    headroom: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
 
     @property
     def skipped(self) -> list[int]:
@@ -127,6 +131,7 @@ def summary(history: AmpHistory) -> str:
     memory = [r.memory_mb for r in records if r.memory_mb is not None]
     if memory:
         parts.append(f"peak {history.memory_kind} {max(memory):,.0f} MB")
+    parts.extend(_autopsy_and_headroom(history))
     found = [event for event in history.nonfinite_events if event[1] != _ROUTINE]
     if found:
         step, kind, names = found[0]
@@ -134,6 +139,38 @@ def summary(history: AmpHistory) -> str:
     else:
         parts.append("no non-finite parameters found" if skipped else "no non-finite parameters or gradients found")
     return "MixedPrecisionMonitor: " + "; ".join(parts) + "."
+
+
+def _autopsy_and_headroom(history: AmpHistory) -> list[str]:
+    """What the monitor's autopsies found and what its last headroom reading says, in the summary's words."""
+    parts = []
+    if history.autopsies:
+        first = history.autopsies[0]
+        more = len(history.autopsies) - 1
+        parts.append(
+            f"overflow autopsy: {first.message.rstrip('.')}"
+            + (f" ({more} more cause{'s' if more > 1 else ''} in monitor.autopsies)" if more else "")
+        )
+    if history.headroom:
+        step, reading = history.headroom[-1]
+        if reading:
+            parts.append(_headroom_sentence(step, reading))
+    return parts
+
+
+def _headroom_sentence(step: int, reading: dict[str, Any]) -> str:
+    dtype = str(next(iter(reading.values())).dtype).removeprefix("torch.")
+    tightest, layer = min(reading.items(), key=lambda item: item[1].headroom_bits[dtype])
+    text = (
+        f"headroom at step {step}: the tightest layer is `{tightest or 'model'}` (activations up to "
+        f"{layer.act_absmax:.3g}, {layer.headroom_bits[dtype]:.1f} bits below {dtype}'s largest value)"
+    )
+    flushed = [(name, entry) for name, entry in reading.items() if entry.grad_flushed_pct == entry.grad_flushed_pct]
+    if flushed:
+        name, entry = max(flushed, key=lambda item: item[1].grad_flushed_pct)
+        if entry.grad_flushed_pct > 0:
+            text += f"; {entry.grad_flushed_pct:.1f}% of `{name or 'model'}`'s gradients flush to zero at its scale"
+    return text
 
 
 def _final_streak(records: list[StepRecord]) -> int:

@@ -341,9 +341,11 @@ NAN_AT = 3
 def test_warn_policy_warns_naming_the_nan_parameter():
     monitor = MixedPrecisionMonitor(on_nonfinite="warn")
     run, caught = fit_catching_warnings(Faulty(nan_weight_at=NAN_AT), bf16_plugin(), monitor=monitor)
-    said = messages(caught, "non-finite")
+    said = messages(caught, "non-finite parameters")
     assert said[0] == "MixedPrecisionMonitor: non-finite parameters at step 3: net.0.weight."
-    assert all(w.category is UserWarning for w in caught if "non-finite" in str(w.message))
+    assert all(w.category is UserWarning for w in caught if "non-finite parameters" in str(w.message))
+    # The skipped step's autopsy found the NaN weight's layer too (and said it is not a precision problem).
+    assert [(a.kind, a.module) for a in monitor.autopsies] == [("forward", "net.0")]
     assert run.trainer.global_step == 6  # warning does not stop training
     found_at = [step for step, kind, _ in run.monitor.history.nonfinite_events if kind == "parameters"]
     assert found_at == [3, 4, 5]

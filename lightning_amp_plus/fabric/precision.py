@@ -21,8 +21,8 @@ the rest.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
 
 import torch
@@ -138,6 +138,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._ranks_known = False
         self._optimizers_seen: set[int] = set()
         self._stand_ins: dict[torch.device, Tensor] = {}
+        self._suspended = False
 
     def __repr__(self) -> str:
         return f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r})"
@@ -211,9 +212,32 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # ---------------------------------------------------------------------------------------------- autocast
     @override
     def forward_context(self) -> AbstractContextManager[Any]:
+        return nullcontext() if self._suspended else self.precision_context()
+
+    def precision_context(self) -> AbstractContextManager[Any]:
+        """The precision's forward context: autocast (``*-mixed``) or bf16 default tensors (``bf16-true``)."""
         if self.precision == "bf16-true":
             return _DtypeContextManager(torch.bfloat16)  # as Fabric's bf16-true: tensors made in forward are bf16
         return torch.autocast(self.device or default_device(), dtype=self.half_dtype)
+
+    @contextmanager
+    def autocast_suspended(self) -> Iterator[None]:
+        """For a replay that sets its own precision (the monitor's autopsy and headroom readings).
+
+        Inside, Fabric's wrapper runs no forward context and converts no input, and a backward taken outside
+        ``fabric.backward`` is allowed (the replay's ``torch.autograd.grad``, which writes no ``.grad``).
+        """
+        import lightning.fabric.wrappers as wrappers
+
+        self._suspended = True
+        # Fabric refuses a backward outside fabric.backward through a module-level flag; the replay is one.
+        inside = getattr(wrappers, "_in_fabric_backward", False)
+        wrappers._in_fabric_backward = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+            wrappers._in_fabric_backward = inside
 
     @override
     def tensor_init_context(self) -> AbstractContextManager[Any]:
@@ -225,7 +249,9 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        # As Fabric's MixedPrecision: floating inputs in the half dtype.
+        # As Fabric's MixedPrecision: floating inputs in the half dtype (as given during a suspended replay).
+        if self._suspended:
+            return data
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._desired_input_dtype)
 
     @override

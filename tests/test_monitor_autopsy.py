@@ -1,0 +1,217 @@
+"""The monitor's overflow autopsy and headroom readings, through the Trainer and through Fabric.
+
+The numerics (``run_autopsy``, ``measure_headroom``) are tested in ``test_autopsy.py`` and ``test_headroom.py`` on
+bare models; here the faults live in LightningModules trained by a Trainer (and a Fabric loop), and what is asserted
+is what the user gets: ``monitor.autopsies``, ``monitor.headroom``, the logged metrics, and a run that ends exactly as
+it would without the monitor's replays.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from autopsy_models import MLP, BrokenBackward, batch
+from helpers import FP16_ON_CPU_WARNING, make_trainer, parameters_of
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
+from lightning_amp_plus import fabric as amp_fabric
+
+pytestmark = [
+    pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
+    pytest.mark.filterwarnings("ignore:.*MixedPrecisionMonitor.*:RuntimeWarning"),
+]
+
+
+class SwitchedBackward(BrokenBackward):
+    """BrokenBackward only while ``active``; the identity otherwise."""
+
+    active = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) if self.active else x
+
+
+class Faulty(pl.LightningModule):
+    """The autopsy's MLP in a LightningModule, with a fault switched on for chosen batches.
+
+    Args:
+        fault: ``"forward"`` (the batch's inputs scaled by 1e5: ``blocks.0.fc``'s fp16 output overflows),
+            ``"backward"`` (``blocks.1.extra``'s backward returns inf), or ``None``.
+        fault_batches: the batch indices that carry the fault (the batch, not the step: a replay of the batch,
+            after its step, must meet the fault again).
+    """
+
+    def __init__(self, fault: str | None = None, fault_batches: tuple[int, ...] = (), dropout: float = 0.0) -> None:
+        super().__init__()
+        self.model = MLP(extra=SwitchedBackward() if fault == "backward" else None, dropout=dropout, norm=True)
+        self.fault, self.fault_batches = fault, set(fault_batches)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        active = batch_idx in self.fault_batches
+        extra = self.model.blocks[1].extra
+        if isinstance(extra, SwitchedBackward):
+            extra.active = active
+        if active and self.fault == "forward":
+            x = x * 1e5  # the first layer's fp16 output overflows (the data, not the model, is at fault here)
+        loss = F.mse_loss(self.model(x).float(), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def data(n: int = 64) -> DataLoader[tuple[Tensor, ...]]:
+    x, y = batch(seed=3, n=n)
+    return DataLoader(TensorDataset(x, y), batch_size=8)
+
+
+def fp16(init_scale: float = 2.0**10) -> MixedPrecisionPlugin:
+    return MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=init_scale, growth_interval=1000))
+
+
+def fit(model: pl.LightningModule, plugin: Any, monitor: MixedPrecisionMonitor, steps: int = 8, **kw: Any) -> None:
+    callbacks = [monitor, *kw.pop("callbacks", [])]
+    make_trainer(plugin, max_steps=steps, max_epochs=-1, callbacks=callbacks, **kw).fit(model, data())
+
+
+# ---------------------------------------------------------------------------------------------- the kinds
+def test_a_forward_overflow_is_blamed_on_its_layer_with_the_fix() -> None:
+    monitor = MixedPrecisionMonitor()
+    fit(Faulty("forward", fault_batches=(4,)), fp16(), monitor)
+    assert [(a.kind, a.module, a.step) for a in monitor.autopsies] == [("forward", "model.blocks.0.fc", 4)]
+    message = monitor.autopsies[0].message
+    assert "exceeds float16's 65504" in message and "keep_fp32=(Linear,)" in message
+    assert "model.blocks.0.fc" in monitor.summary()
+
+
+def test_a_broken_backward_is_blamed_on_its_module() -> None:
+    monitor = MixedPrecisionMonitor()
+    fit(Faulty("backward", fault_batches=(3,)), fp16(), monitor)
+    assert [(a.kind, a.module) for a in monitor.autopsies] == [("backward", "model.blocks.1.extra")]
+
+
+def test_bf16_nan_in_forward_is_found_too() -> None:
+    monitor = MixedPrecisionMonitor()
+
+    class NaNInput(Faulty):
+        def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+            if self.trainer.global_step == 2:
+                self.model.blocks[0].fc.weight.data[0, 0] = float("nan")  # stays: every later step skips too
+            return super().training_step(batch, batch_idx)
+
+    fit(NaNInput(), MixedPrecisionPlugin("bf16-mixed", "cpu"), monitor, steps=4)
+    assert [(a.kind, a.module) for a in monitor.autopsies] == [("forward", "model.blocks.0.fc")]
+
+
+def test_the_scales_first_descent_is_routine_and_a_later_scale_overflow_is_reported() -> None:
+    """At 2**24 this model's scaled loss gradient overflows fp16: the scale comes down from init_scale without an
+    autopsy. After applied steps, a scale set high again overflows once more: that one is diagnosed "scale"."""
+
+    class RaiseScale(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 30:
+                trainer.scaler.update(new_scale=2.0**24)  # as a user's too-high scale would come back
+
+    monitor = MixedPrecisionMonitor()
+    plugin = fp16(init_scale=2.0**24)
+    fit(Faulty(), plugin, monitor, steps=34, callbacks=[RaiseScale()])
+    first_applied = next(record.step for record in monitor.history.steps if not record.skipped)
+    assert first_applied >= 2  # the premise: a first descent of several skips
+    assert all(a.kind == "scale" and a.step > first_applied for a in monitor.autopsies)
+    found = next(a for a in monitor.autopsies if a.step == 30)
+    assert found.safe_scale is not None and found.safe_scale < 2.0**24
+
+
+def test_at_most_autopsy_limit_autopsies_are_made() -> None:
+    monitor = MixedPrecisionMonitor(autopsy_limit=1)
+    fit(Faulty("forward", fault_batches=(2, 5)), fp16(), monitor)
+    assert len(monitor.autopsies) == 1 and monitor.autopsies[0].step == 2
+
+
+def test_autopsy_false_makes_none() -> None:
+    monitor = MixedPrecisionMonitor(autopsy=False)
+    fit(Faulty("forward", fault_batches=(2,)), fp16(), monitor)
+    assert monitor.autopsies == []
+
+
+# ------------------------------------------------------------------------------------- nothing left behind
+def run_with(autopsy: bool, tmp_path: Path) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Faulty("forward", fault_batches=(3, 6), dropout=0.2)  # dropout: the replay draws random numbers too
+    monitor = MixedPrecisionMonitor(autopsy=autopsy, headroom_interval=4 if autopsy else 0, log_memory=False)
+    logger = CSVLogger(tmp_path / str(autopsy), name="run", version=0)
+    trainer = make_trainer(fp16(), max_steps=8, max_epochs=-1, callbacks=[monitor], logger=logger, log_every_n_steps=1)
+    trainer.fit(model, data())
+    with open(tmp_path / str(autopsy) / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    return {
+        "params": parameters_of(model),
+        "buffers": [b.clone() for b in model.buffers()],
+        "state": copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
+        "train_loss": [row["train_loss"] for row in rows if row.get("train_loss")],
+        "rng": torch.rand(4),
+        "autopsies": len(monitor.autopsies),
+    }
+
+
+def test_a_run_with_autopsies_and_headroom_ends_as_one_without(tmp_path: Path) -> None:
+    with_them, without = run_with(True, tmp_path), run_with(False, tmp_path)
+    assert with_them.pop("autopsies") == 1 and without.pop("autopsies") == 0  # the same cause at steps 3 and 6
+    assert with_them.pop("train_loss") == without.pop("train_loss")  # the logged metrics, as written
+    # NaN included: the overflowing batches left NaN in BatchNorm's running statistics, in both runs alike.
+    torch.testing.assert_close(with_them, without, rtol=0, atol=0, equal_nan=True)
+
+
+# --------------------------------------------------------------------------------------------------- headroom
+def test_headroom_is_read_every_n_steps_logged_and_summarised(tmp_path: Path) -> None:
+    monitor = MixedPrecisionMonitor(headroom_interval=3, log_memory=False)
+    logger = CSVLogger(tmp_path, name="h", version=0)
+    fit(Faulty(), fp16(), monitor, steps=7, logger=logger, log_every_n_steps=1)
+    assert [step for step, _ in monitor.history.headroom] == [2, 5]
+    assert set(monitor.headroom) >= {"model.blocks.0.fc", "model.head"}
+    layer = monitor.headroom["model.blocks.0.fc"]
+    assert 0 < layer.act_absmax < 65504 and layer.headroom_bits["float16"] > 0
+    with open(tmp_path / "h" / "version_0" / "metrics.csv") as file:
+        columns = next(csv.reader(file))
+    assert "amp/headroom/model.blocks.0.fc/grad_flushed_pct" in columns
+    assert "headroom" in monitor.summary()
+
+
+# ---------------------------------------------------------------------------------------------------- Fabric
+def test_fabric_observe_with_a_replay_makes_the_autopsy_and_the_headroom_readings() -> None:
+    plugin = amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = MLP(norm=True)
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    monitor = MixedPrecisionMonitor(headroom_interval=2, log_memory=False)
+    x, y = batch(seed=3)
+    weight = net.blocks[1].fc.weight
+    for step in range(4):
+        monitor.batch_start()
+        if step == 1:
+            with torch.no_grad():
+                weight.mul_(1e5)  # this step's forward overflows fp16 (and the replay sees the same weights)
+        fabric.backward(F.mse_loss(model(x).float(), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        metrics = monitor.observe(plugin, model=model, replay=lambda: F.mse_loss(model(x).float(), y))
+        if step == 1:
+            with torch.no_grad():
+                weight.div_(1e5)
+        assert metrics["amp/step_skipped"] == float(step == 1)
+    assert [(a.kind, a.module) for a in monitor.autopsies] == [("forward", "blocks.1.fc")]
+    assert [step for step, _ in monitor.history.headroom] == [1, 3]
+    assert not isinstance(model.forward, nn.Module) and plugin._suspended is False  # the wrapper's autocast is back
