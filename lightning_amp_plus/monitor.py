@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
-from lightning_amp_plus.numerics.checks import check_int, check_real
+from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
 from lightning_amp_plus.numerics.grads import nonfinite_names
 from lightning_amp_plus.numerics.sharding import local_view
 from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep, skipped_steps
@@ -65,7 +65,7 @@ class MixedPrecisionMonitor(Callback):
     scale backoff) and plain ``32-true`` (then it reports what applies).
 
     Args:
-        check_interval: check parameters (and unguarded gradients) every this many optimizer steps; 0 never.
+        check_interval: check parameters (and unguarded gradients) every this many optimizer steps (at least 1).
         on_nonfinite: ``"warn"``, ``"raise"`` or ``"stop"``.
         skip_window: how many recent steps the skip rate is taken over.
         skip_warn_rate: warn when the skip rate over the window exceeds this fraction.
@@ -96,13 +96,22 @@ class MixedPrecisionMonitor(Callback):
         report_path: str | Path | None = None,
     ) -> None:
         name = type(self).__name__
-        check_interval = check_int(name, "check_interval", check_interval, 0, hint=" (0 never checks)")
+        # No 0 ("never"): the summary would then report "no non-finite values found" about values nobody looked at.
+        check_interval = check_int(
+            name,
+            "check_interval",
+            check_interval,
+            1,
+            hint=": 1 checks after every step, N after every Nth (e.g. 100, to read the device less often)",
+        )
         if on_nonfinite not in _POLICIES:
             raise ValueError(f"`{name}(on_nonfinite={on_nonfinite!r})` must be one of {_POLICIES}.")
         skip_window = check_int(name, "skip_window", skip_window, 1, hint=", e.g. 100")
         skip_warn_rate = check_real(
             name, "skip_warn_rate", skip_warn_rate, "a fraction in [0, 1], e.g. 0.05", lambda rate: 0 <= rate <= 1
         )
+        check_bool(name, "log_memory", log_memory)
+        check_bool(name, "prog_bar", prog_bar)
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
         self.skip_window = skip_window

@@ -388,15 +388,28 @@ def test_check_interval_reports_a_nan_parameter_at_the_next_multiple_and_not_bef
     assert found_at == [9, 14]
 
 
-@pytest.mark.parametrize("precision", ["bf16-plugin", "32-true"])
-def test_check_interval_zero_never_checks(precision):
-    plugin = bf16_plugin() if precision == "bf16-plugin" else None
-    monitor = MixedPrecisionMonitor(check_interval=0, on_nonfinite="raise")
-    run, caught = fit_catching_warnings(Faulty(nan_weight_at=2), plugin, monitor=monitor)
-    assert run.trainer.global_step == 6
-    assert not torch.isfinite(run.model.net[0].weight).all()  # there was something to find
-    assert {kind for _, kind, _ in monitor.history.nonfinite_events} <= {"overflowed gradients"}
-    assert not messages(caught, "non-finite")
+def test_check_interval_zero_is_refused_naming_the_argument_the_value_and_the_fix():
+    # 0 used to mean "never check": the summary then said "no non-finite parameters or gradients found" about a run
+    # whose weight was NaN. A monitor that looks at nothing must not be built.
+    with pytest.raises(ValueError) as error:
+        MixedPrecisionMonitor(check_interval=0)
+    message = str(error.value)
+    assert message.startswith("`MixedPrecisionMonitor(check_interval=0)` must be an int >= 1: 1 checks after every")
+    assert "e.g. 100" in message
+
+
+@pytest.mark.parametrize("name", ["prog_bar", "log_memory"])
+@pytest.mark.parametrize("value", ["no", "yes", 0, 1, None])
+def test_a_flag_that_is_not_a_bool_is_refused_with_the_plugins_rule(name, value):
+    with pytest.raises(TypeError) as error:
+        MixedPrecisionMonitor(**{name: value})
+    # The plugin's own rule, word for word (lightning_amp_plus.numerics.checks.check_bool).
+    with pytest.raises(TypeError) as plugin_error:
+        MixedPrecisionPlugin("bf16-mixed", "cpu", master_weights=value)
+    assert str(error.value) == str(plugin_error.value).replace("MixedPrecisionPlugin", "MixedPrecisionMonitor").replace(
+        "master_weights", name
+    )
+    assert str(error.value).startswith(f"`MixedPrecisionMonitor({name}={value!r})` must be True or False, not a")
 
 
 BAD_ARGUMENTS = [
