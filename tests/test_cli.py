@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import runpy
 import signal
@@ -12,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 from helpers import PNG_SIGNATURE, usage_error
@@ -25,7 +25,6 @@ from lightning_amp_plus.cli.train import train
 TINY_CNN = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 TINY_LSTM = ["lstm", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--hidden-dim", "4",
              "--embed-dim", "4", "--max-len", "12", "--accelerator", "cpu"]  # fmt: skip
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_train(*argv: str) -> dict[str, object]:
@@ -35,11 +34,11 @@ def run_train(*argv: str) -> dict[str, object]:
 
 
 def run_command(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`python -m lightning_amp_plus argv` in a fresh process (for what needs one: several ranks, import costs)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_amp_plus", *argv], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    """`python -m lightning_amp_plus argv` in a fresh process (for what needs one: several ranks, import costs).
+
+    Past ``timeout`` the process and every process it started are killed and the test fails.
+    """
+    return processes.amp_plus(*argv, timeout=timeout)
 
 
 @pytest.fixture
@@ -341,20 +340,19 @@ def test_a_chart_without_matplotlib_is_a_usage_error(
 # ---------------------------------------------------------------------------------------- processes, Ctrl-C
 def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
     chart = tmp_path / "amp.png"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
     argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
             "--report", str(chart), "--progress-bar"]  # fmt: skip
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
-        assert process.stdout is not None
-        seen, deadline = b"", time.monotonic() + 120
-        while b"Epoch 0:" not in seen and time.monotonic() < deadline and process.poll() is None:
-            seen += os.read(process.stdout.fileno(), 4096)
+    process = processes.start(argv)
+    try:
+        seen = processes.read_until(process, b"Epoch 0:", timeout=120)  # each read waits only for the time left
         assert b"Epoch 0:" in seen, seen
         time.sleep(0.5)  # some steps (a few ms each)
         process.send_signal(signal.SIGINT)
-        rest, err_bytes = process.communicate(timeout=60)
-    out, err = (seen + rest).decode(), err_bytes.decode()
+        rest, err = processes.finish(process, timeout=60, what="amp-plus train after Ctrl-C")
+    finally:
+        processes.kill_group(process)
+    out = seen.decode() + rest
     assert process.returncode == 130, err
     assert "Traceback" not in out + err
     assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
@@ -384,8 +382,7 @@ def test_the_command_line_imports_neither_torch_nor_lightning_to_answer_help_or_
         "        pass\n"
         "print('HEAVY', sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    done = processes.run([sys.executable, "-c", code], timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
 
 

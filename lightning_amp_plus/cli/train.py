@@ -13,7 +13,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
@@ -106,11 +106,11 @@ def _trainer(
     if args.ckpt_dir is not None:
         callbacks = [*callbacks, ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)]
     return pl.Trainer(
+        callbacks=[*callbacks, *_console_callbacks(args)],
         accelerator=device,
         devices=args.devices,
         max_epochs=settings["epochs"],
         max_steps=args.max_steps,
-        callbacks=callbacks,
         logger=False,
         enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=args.progress_bar,
@@ -120,6 +120,18 @@ def _trainer(
         log_every_n_steps=10,
         **amp.trainer_kwargs(device),
     )
+
+
+def _console_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """The plain progress bar and model summary, asked for by name.
+
+    Left to itself, Lightning picks their ``rich`` versions whenever ``rich`` happens to be installed: the command's
+    output would then depend on what else is in the environment.
+    """
+    return [
+        *([TQDMProgressBar()] if args.progress_bar else []),
+        *([ModelSummary()] if args.model_summary else []),
+    ]
 
 
 def _stopped(
