@@ -212,7 +212,7 @@ def test_amp_settings_refuse_impossible_combinations(settings: dict[str, object]
         (["train", "--epochs", "0"], "argument --epochs: 0 must be >= 1"),
         (["train", "--init-scale", "inf"], "argument --init-scale: inf must be a finite number"),
         (["train", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
-        (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--bogus"], "unrecognized argument --bogus."),
         (["train", "--report", "/proc/x.png"], "--report /proc/x.png: no file can be created in /proc"),
         (["train", "--report", "x.txt"], "--report x.txt: the chart is written as .png, so the path must end in .png, "
          "e.g. x.png"),

@@ -30,7 +30,14 @@ from lightning_amp_plus.cli._runs import (
     resolve_accelerator,
     resolve_precision,
 )
-from lightning_amp_plus.cli._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
+from lightning_amp_plus.cli._settings import (
+    AmpSettings,
+    PrecisionName,
+    cli_amp_problem,
+    model_hparams,
+    task_label,
+    train_settings,
+)
 from lightning_amp_plus.monitor import MixedPrecisionMonitor
 from lightning_amp_plus.precision import skipped_steps
 
@@ -190,8 +197,8 @@ def _start_line(
         + (f", at most {plural(args.max_steps, 'step')}" if args.max_steps != -1 else "")
     )
     return (
-        f"amp-plus train {args.task}: {precision}{master} on {device}{devices}, {args.data} data, {length} "
-        "(Ctrl-C stops cleanly with the summary so far)"
+        f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
+        f"{length} (Ctrl-C stops cleanly with the summary so far)"
     )
 
 
