@@ -26,7 +26,15 @@ from typing import NoReturn
 
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
 from lightning_amp_plus.cli._argparse import Parser, plain_warnings
-from lightning_amp_plus.cli._checks import LR_MAX, SEED_MAX, RunFailed, UsageError, float_in, int_in
+from lightning_amp_plus.cli._checks import (
+    LR_MAX,
+    SEED_MAX,
+    RunFailed,
+    UsageError,
+    check_ckpt_dir,
+    float_in,
+    int_in,
+)
 from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
 from lightning_amp_plus.cli._settings import (
     DEFAULT_TASK,
@@ -195,7 +203,17 @@ def build_parser() -> Parser:
     loop.add_argument(
         "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
     )
-    loop.add_argument("--ckpt-dir", help="save checkpoints here (the latest epoch's, and last.ckpt); none by default")
+    loop.add_argument(
+        "--ckpt-dir",
+        help="save checkpoints here (the latest epoch's, and last.ckpt): an empty or new folder, or with --resume the "
+        "folder of the run to continue; none by default",
+    )
+    loop.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs (the "
+        "other flags as in that run)",
+    )
     _add_console_arguments(train_parser)
 
     compare_parser = commands.add_parser(
@@ -253,6 +271,7 @@ def _check_request(args: argparse.Namespace) -> None:
             check_chart_path(args.report, "--report")
         if args.ckpt_dir is not None:
             check_output_dir(args.ckpt_dir, "--ckpt-dir")
+        check_ckpt_dir(args.ckpt_dir, args.resume)
         return
     if args.steps is not None and args.warmup is not None and args.warmup >= args.steps:
         raise ValueError(
