@@ -360,13 +360,19 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
 
 
-def test_several_cpu_processes_print_the_result_once() -> None:
-    done = run_command("train", *TINY_CNN, "--devices", "2", "--max-steps", "2", "--threads", "1", timeout=300)
+def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process_takes() -> None:
+    # 32 samples in batches of 8 over 2 processes: each takes 16 samples an epoch, 2 steps. --lightning-info shows
+    # Lightning's tips too, among them its advice to log epoch-level metrics with sync_dist=True under DDP.
+    done = run_command("train", *TINY_CNN, "--devices", "2", "--epochs", "2", "--threads", "1", "--lightning-info",
+                       timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stdout.count("(Ctrl-C stops cleanly with the summary so far)") == 1  # the line before fit
-    assert done.stdout.count("MixedPrecisionMonitor: ") == 1
+    start = "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 2 epochs of 2 steps (Ctrl-C stops cleanly"
+    assert done.stdout.count(start) == 1  # the line before fit, from one process
+    assert done.stdout.count("MixedPrecisionMonitor: 4 optimizer steps") == 1
+    assert "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 4 steps (2.0 epochs) in " in done.stdout
     assert done.stdout.count("val/acc ") == 1
+    assert "sync_dist" not in done.stderr  # the shipped model logs its epoch loss across processes
 
 
 # ------------------------------------------------------------------------------------------- entry points
