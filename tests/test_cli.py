@@ -126,9 +126,13 @@ def test_a_stop_with_a_diagnosis_prints_the_summary_so_far_and_exits_1_without_a
 
 # ------------------------------------------------------------------------------------------ console output
 # Lightning's info lines are log records (pytest's log capture holds them); the progress bar writes to the streams.
+@pytest.mark.parametrize("older_package_imported", [False, True])
 def test_in_a_non_terminal_train_prints_no_progress_bar_device_banner_tip_or_model_summary(
-    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+    older_package_imported: bool, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    if older_package_imported:
+        # Importing pytorch_lightning (installed beside lightning) sends Lightning's info lines to its own logger.
+        pytest.importorskip("pytorch_lightning")
     assert main(["train", *TINY_CNN, "--max-steps", "2"]) == 0
     out, err = capfd.readouterr()
     everything = out + err + caplog.text

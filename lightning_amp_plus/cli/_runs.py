@@ -208,7 +208,7 @@ def lightning_output(info: bool) -> Iterator[None]:
     did not write), and never two that nobody running this command can act on: the model summary sizing our plugin's
     weights at 32 bits, and a pytree deprecation inside Lightning 2.6.6.
     """
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    loggers = _lightning_loggers()
     levels = [logger.level for logger in loggers]
     if not info:
         for logger in loggers:
@@ -223,6 +223,19 @@ def lightning_output(info: bool) -> Iterator[None]:
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def _lightning_loggers() -> list[logging.Logger]:
+    """The loggers Lightning's info lines go to: its packages' own, and the one its ``rank_zero_info`` uses now.
+
+    ``rank_zero_info`` writes to one logger shared by every Lightning package, the last imported naming it: after an
+    ``import pytorch_lightning`` (the older package name, installed beside ``lightning``) that is
+    ``pytorch_lightning.utilities.rank_zero``, even for ``lightning.pytorch``'s Trainer.
+    """
+    from lightning_utilities.core import rank_zero
+
+    names = {"lightning.pytorch", "lightning.fabric", rank_zero.log.name}
+    return [logging.getLogger(name) for name in sorted(names)]
 
 
 def interruptible(trainer: pl.Trainer, call: Callable[[], _T]) -> _T:
