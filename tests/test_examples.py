@@ -220,7 +220,7 @@ def test_with_a_logger_each_run_saves_its_config_in_its_own_version_folder(tmp_p
     mine = tmp_path / "config.yaml"
     mine.write_text("mine: true\n")
     argv = ["fit", f"--config={CONFIGS / 'cnn_synthetic.yaml'}", *TINY_TRAINER, *TINY_CNN, "--trainer.logger=true",
-            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
     for _ in range(2):
         load("cifar_cnn").main(argv)
     saved = sorted(tmp_path.glob("lightning_logs/version_*/config.yaml"))
