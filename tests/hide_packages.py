@@ -14,7 +14,7 @@ import importlib.abc
 import importlib.metadata
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -23,7 +23,8 @@ ENV = "AMP_PLUS_HIDE"
 
 class _Blind(importlib.abc.MetaPathFinder):
     """A finder that finds what ``finder`` finds, except the hidden packages: for them it finds nothing, as when
-    nothing is installed (``importlib.util.find_spec`` answers ``None``, ``import`` raises ``ModuleNotFoundError``)."""
+    nothing is installed (``importlib.util.find_spec`` answers ``None``, ``import`` raises ``ModuleNotFoundError``,
+    ``importlib.metadata`` finds no distribution)."""
 
     def __init__(self, finder: Any, names: frozenset[str]) -> None:
         self.finder, self.names = finder, names
@@ -33,27 +34,32 @@ class _Blind(importlib.abc.MetaPathFinder):
             return None
         return self.finder.find_spec(fullname, path, target)
 
+    def find_distributions(self, context: Any = None) -> Iterator[Any]:
+        if not hasattr(self.finder, "find_distributions"):
+            return iter(())
+        context = context or importlib.metadata.DistributionFinder.Context()
+        if context.name is not None and _normal(context.name) in self.names:
+            return iter(())
+        found = self.finder.find_distributions(context)
+        return (dist for dist in found if _normal(dist.metadata["Name"] or "") not in self.names)
+
     def invalidate_caches(self) -> None:
         if hasattr(self.finder, "invalidate_caches"):
             self.finder.invalidate_caches()
 
 
+def _normal(name: str) -> str:
+    return name.lower().replace("-", "_")
+
+
 def hide(names: Iterable[str]) -> None:
     """Make the top-level packages ``names`` unimportable and their distributions unknown from now on."""
-    hidden = frozenset(name for name in names if name)
+    hidden = frozenset(_normal(name) for name in names if name)
     if not hidden:
         return
     for loaded in [m for m in sys.modules if m.split(".")[0] in hidden]:
         del sys.modules[loaded]
     sys.meta_path[:] = [_Blind(finder, hidden) for finder in sys.meta_path]
-    from_name = importlib.metadata.Distribution.from_name.__func__  # type: ignore[attr-defined]
-
-    def refuse(cls: type[importlib.metadata.Distribution], name: str) -> importlib.metadata.Distribution:
-        if name.lower().replace("-", "_") in hidden:
-            raise importlib.metadata.PackageNotFoundError(name)
-        return from_name(cls, name)  # type: ignore[no-any-return]
-
-    importlib.metadata.Distribution.from_name = classmethod(refuse)  # type: ignore[method-assign,assignment]
 
 
 hide(os.environ.get(ENV, "").split(","))
