@@ -9,8 +9,8 @@ What is compared
     * Lightning ``bf16-true``: ``Trainer(precision="bf16-true")`` (model, gradients and AdamW state all bf16).
     * ours ``16-mixed`` / ``bf16-mixed``: ``MixedPrecisionPlugin(precision, device)`` (FP32 model under autocast).
     * ours ``+ master weights`` (fp16 and bf16): ``MixedPrecisionPlugin(precision, device, master_weights=True)``: the
-      model's parameters hold FP32 between steps (AdamW steps them) and, for the Linear and Conv layers, a half copy
-      made once per step for forward and backward (normalisation layers stay FP32).
+      model's parameters are FP32 masters at all times (a half-built model would be widened first; this one is FP32)
+      and autocast computes in half from them, per use, exactly as ``*-mixed`` (see ``numerics/master.py``).
 
     Both fp16 scalers start at 2**10 and never grow, so no step is skipped for overflow (the tables say if one was).
     Two models, both trained with ``AdamW(lr=1e-4, weight_decay=0.01)`` and cross-entropy on random data:
@@ -21,7 +21,7 @@ What is compared
       on 32x32 RGB images, a larger batch: activations dominate (CPU: c=16, batch 64; CUDA: c=64, batch 256).
 
 Expected bytes per parameter (the model the tables check the measurements against)
-    Per parameter of the layers that master weights give half copies (Linear, Conv); normalisation parameters are few
+    Per parameter of the layers autocast runs in half (Linear, Conv); normalisation parameters are few
     and keep 4-byte weights and gradients (bf16-true aside). Steady state, from the second step (AdamW creates its two
     moments, in the dtype of what it steps, during the first):
 
@@ -32,8 +32,7 @@ Expected bytes per parameter (the model the tables check the measurements agains
     32-true                 4          4                     8      -             16 + T
     16/bf16-mixed (both)    4          4                     8      2             max(18, 16 + T)
     bf16-true               2          2                     4      -             8 + T/2
-    ours + master weights   4 (+ 2     2 half, then 4 FP32   8      -             16 + T
-                            half copy)
+    ours + master weights   4          4                     8      2             max(18, 16 + T)
     ======================  =========  ====================  =====  ============  ===============
 
     Where each set-up peaks; the per-phase tables print measured and expected for each phase:
@@ -41,23 +40,18 @@ Expected bytes per parameter (the model the tables check the measurements agains
     * ``fwd`` (batch start to backward; the peak is at the end of forward). Lightning zeroes gradients *after*
       ``training_step``, so the last step's gradients are still alive: 32-true 4+8+4 = 16; mixed adds the half weight
       copies autocast saved for backward: 18 (the first layer's copy is not saved, its input needing no gradient, so
-      the measurement is lower by 2 B x its parameters). Master weights start the phase as 32-true does (16), then
-      free the last step's gradients when the step's half copies are made (Lightning would zero them before
-      backward): 4+2+8 = 14 for the rest of the forward, so the phase peaks at its start.
+      the measurement is lower by 2 B x its parameters). Master weights are mixed's: the same FP32 parameters, the
+      same autocast copies.
     * ``bwd``: gradients are built again: 32-true and mixed 16 (plus one layer's half gradient before its cast to
-      FP32), master weights 4+2+8+2 = 16.
-    * ``unscale`` (after backward, before ``on_before_optimizer_step``): master weights give each parameter its FP32
-      data back and widen its half gradient (2) into an FP32 one (4), one tensor at a time, each half copy and half
-      gradient freed right after: 4+4+8 = 16 once done. The others unscale in place.
+      FP32).
+    * ``unscale`` (after backward, before ``on_before_optimizer_step``): the gradients are unscaled in place.
     * ``step``: AdamW's temporaries T come on top of what is alive. On CPU AdamW runs per tensor:
       ``exp_avg_sq.sqrt() / c`` holds two temporaries the size of the largest parameter (about 2 B/param for the
       MLP's equal layers). On CUDA it runs ``foreach`` over all parameters: one ``sqrt`` list, 4 B/param (2 in
       bf16-true). 4+4+8 = 16 + T for all but bf16-true.
 
-    So where parameters dominate, master weights peak at the step, 16 + T, against Lightning bf16-mixed's
-    max(18, 16 + T): less on CPU (T = 2 B/param here), a tie on CUDA (T = 4). Where activations dominate (the CNN)
-    they need what autocast needs. Activations, the batch and small temporaries come on top of the expected values,
-    which count parameters only.
+    So master weights need exactly what Lightning's bf16-mixed needs (the target: never more). Activations, the batch
+    and small temporaries come on top of the expected values, which count parameters only.
 
 How memory is measured
     CPU: every set-up runs in its own process, forked from this one after its imports and before any tensor work, so
@@ -91,7 +85,6 @@ Step time
 
 Targets (reported, never asserted)
     Memory (CPU and CUDA): the peak with master weights <= Lightning bf16-mixed's on the same model.
-    Time (CUDA only): ours with master weights faster than Lightning bf16-mixed (no weight casts in forward).
 
 Run
     python benchmarks/bench_master.py                  # CPU, both models: about 2.5 minutes on 2 shared cores
@@ -128,7 +121,6 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
-from lightning_amp_plus.numerics.master import managed_parameters
 from lightning_amp_plus.precision import skipped_steps
 
 MIB = 2**20
@@ -149,7 +141,7 @@ class Config:
 
     key: str
     label: str
-    kind: str  # memory model: "fp32" (FP32 model), "autocast" (FP32 model + autocast), "half", "masters"
+    kind: str  # memory model: "fp32" (FP32 model), "autocast" (FP32 model + autocast), "half"
     half_compute: bool  # runs its matmuls in a half dtype: slow on CPU, so fewer timed steps there
     trainer_kwargs: Callable[[str], dict[str, Any]]
 
@@ -159,7 +151,7 @@ def _memory_model(setup: PrecisionSetup) -> str:
         return "fp32"
     if setup.precision == "bf16-true":
         return "half"
-    return "masters" if setup.master_weights else "autocast"
+    return "autocast"  # master weights too: the FP32 parameters are the masters, autocast casts per use
 
 
 def _config(setup: PrecisionSetup) -> Config:
@@ -260,13 +252,14 @@ def model_specs(device: str, quick: bool) -> dict[str, ModelSpec]:
 class Shape:
     """The parameter counts the memory model needs."""
 
-    converted: int  # parameters master weights give half copies (those of the Linear and Conv layers)
+    converted: int  # parameters of the layers autocast runs in half (Linear, Conv)
     norm: int  # the others (normalisation layers: FP32 throughout)
     largest: int  # elements of the largest parameter (CPU AdamW's temporaries are two of it)
 
     @classmethod
     def of(cls, net: nn.Module) -> Shape:
-        converted = sum(p.numel() for p in managed_parameters(net))
+        half = [m for m in net.modules() if isinstance(m, nn.Linear | nn.Conv2d)]
+        converted = sum(p.numel() for m in half for p in m.parameters(recurse=False))
         total = sum(p.numel() for p in net.parameters())
         return cls(converted, total - converted, max(p.numel() for p in net.parameters()))
 
@@ -278,25 +271,19 @@ def expected_phases(kind: str, shape: Shape, foreach: bool) -> dict[str, int]:
     """
     n_h, n_n = shape.converted, shape.norm
     n = n_h + n_n
-    masters = kind == "masters"
     weight_n = 2 if kind == "half" else 4
     state = 2 if kind == "half" else 4  # AdamW moments take the dtype of the tensor they step
-    w = n_h * (2 if kind == "half" else 4) + n_n * weight_n  # master weights: the FP32 weights, between steps too
-    copies = 2 * n_h if masters else 0  # master weights: the half copies, from the step's start to its unscale
+    w = n_h * (2 if kind == "half" else 4) + n_n * weight_n
     s = 2 * state * n
     casts = 2 * n_h if kind == "autocast" else 0  # autocast's half weight copies, saved for backward
     temps = state * n if foreach else 2 * state * shape.largest
-    grads = 2 * n_h + 4 * n_n if masters else w  # master weights: half gradients for the half copies
-    old_grads = 4 * n_n if masters else grads  # gradients still alive while forward runs (master weights freed theirs)
-    widened = 4 * n if masters else grads  # master weights: FP32 gradients, the half copies freed one by one
-    # Master weights free the last step's gradients when the step's half copies are made, just after the batch starts:
-    # until then the phase holds them (the first term), after that the copies (the second).
-    fwd = max(w + s + w, w + copies + s + old_grads) if masters else w + s + old_grads + casts
+    grads = w
+    fwd = w + s + grads + casts  # the last step's gradients are alive until Lightning zeroes them before backward
     return {
         "fwd": fwd,
-        "bwd": w + copies + s + grads,
-        "unscale": w + s + widened,
-        "step": w + s + widened + temps,
+        "bwd": w + s + grads,
+        "unscale": w + s + grads,
+        "step": w + s + grads + temps,
     }
 
 

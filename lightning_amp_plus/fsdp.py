@@ -1,37 +1,46 @@
-"""``FSDPMixedPrecisionPlugin``: ``MixedPrecisionPlugin`` for Lightning's ``FSDPStrategy`` (FSDP1, flat shards).
+"""``FSDPMixedPrecisionPlugin``: ``MixedPrecisionPlugin``'s step for Lightning's ``FSDPStrategy`` (FSDP1, flat shards).
 
 ``FSDPStrategy`` accepts only ``FSDPPrecision`` plugins, and Lightning's ``FSDPPrecision`` refuses any other scaler,
-autocasts on CUDA only and raises on clipping by norm. This plugin is an ``FSDPPrecision`` whose step is
-``MixedPrecisionPlugin``'s: our scaler and skip semantics, the gradient norm of the flat shards from one weighted SUM
-over the world (see :mod:`lightning_amp_plus.numerics.sharding`), clipping by norm and by value, the monitor.
-``FSDPPrecision`` keeps what it does right for the mixed precisions: FP32 inputs and initialisation, no conversion.
+autocasts on CUDA only and raises on clipping by norm. This plugin is an ``FSDPPrecision`` that holds a
+:class:`~lightning_amp_plus.precision.MixedPrecisionPlugin` and hands it the step's hooks (composition: one
+implementation of the Trainer's step): our scaler and skip semantics, the gradient norm of the flat shards from one
+weighted SUM over the world (see :mod:`lightning_amp_plus.numerics.sharding`), clipping by norm and by value, the
+monitor. ``FSDPPrecision`` keeps what it does right for the mixed precisions: FP32 inputs and initialisation, no
+conversion.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from torch import nn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import Tensor, nn
 from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_amp_plus import _plugin_state
+from lightning_amp_plus._front_end import DEFAULT_SKIPS
+from lightning_amp_plus.numerics.engine import EngineReadings
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-from lightning_amp_plus.precision import _DEFAULT_SKIPS, MixedPrecisionPlugin
+from lightning_amp_plus.precision import MixedPrecisionPlugin, unwrap
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
 
-class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ignore[misc]
+class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     """Mixed precision under ``FSDPStrategy`` with our loss scaler: ``Trainer(strategy="fsdp", plugins=[this])``.
 
     The options are ``MixedPrecisionPlugin``'s that apply under FSDP. ``master_weights=True`` maps to FSDP's own
     mixed-precision parameters, ``MixedPrecision(param_dtype=half, reduce_dtype=torch.float32)``: the sharded FP32
     flat parameters are the masters the optimizer steps, forward and backward run on all-gathered half copies, and
-    gradients are reduce-scattered in FP32. No second copy is kept. Without it, the FP32 shards compute under autocast,
-    as ``MixedPrecisionPlugin`` does elsewhere.
+    gradients are reduce-scattered in FP32. Without it, the FP32 shards compute under autocast, as
+    ``MixedPrecisionPlugin`` does elsewhere.
 
     Args:
         precision: ``"16-mixed"`` or ``"bf16-mixed"``.
@@ -58,7 +67,7 @@ class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ig
         *,
         skip_nonfinite: bool = True,
         hold_schedulers_on_skip: bool = True,
-        max_consecutive_skips: int | None = _DEFAULT_SKIPS,
+        max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
     ) -> None:
         if precision not in ("16-mixed", "bf16-mixed"):
@@ -67,17 +76,46 @@ class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ig
                 "'bf16-mixed' (for '32-true', '16-true' or 'bf16-true' under FSDP, use Lightning's "
                 f"Trainer(strategy='fsdp', precision={precision!r}))."
             )
-        super().__init__(
+        # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
+        self._step = MixedPrecisionPlugin(
             precision,
             device,
             scaler,
             skip_nonfinite=skip_nonfinite,
             hold_schedulers_on_skip=hold_schedulers_on_skip,
             max_consecutive_skips=max_consecutive_skips,
-            master_weights=master_weights,
         )
+        self._step._checkpoint_key = type(self).__qualname__
+        self.engine = self._step.engine
+        self.precision = precision
+        self.master_weights = master_weights
         # FSDPPrecision's own hooks (inputs, tensor and module initialisation) read this: FP32 in the mixed modes.
         self._desired_input_dtype = torch.float32
+
+    # ------------------------------------------------------------------------------------------------ settings
+    @property  # type: ignore[override]
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` for bf16); assigning one replaces it for every part of the step."""
+        return self._step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: DynamicLossScaler | None) -> None:
+        self._step.scaler = scaler
+
+    @property
+    def device(self) -> str | None:
+        """The autocast device type."""
+        return self._step.device
+
+    @property
+    def min_scale(self) -> float | None:
+        """The scaler's floor (``None`` without a scaler)."""
+        return self._step.min_scale
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The autocast dtype (and, with ``master_weights``, FSDP's compute dtype): fp16 or bf16."""
+        return self._step.half_dtype
 
     @property
     def mixed_precision_config(self) -> FSDPMixedPrecision | None:  # type: ignore[override]
@@ -90,30 +128,75 @@ class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ig
             return None
         return FSDPMixedPrecision(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
 
+    # --------------------------------------------------------------------------------------- the step's hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module  # FSDP keeps the FP32 shards; with master weights it makes the half copies itself
 
-    def _set_up_master_weights(self, model: nn.Module, module: nn.Module) -> None:
-        # Done by FSDP (`mixed_precision_config`), before this hook. Only a policy given to the strategy as well could
-        # be in the way: Lightning takes the strategy's over the plugin's without a word.
-        strategy = getattr(getattr(module, "_trainer", None), "strategy", None)
-        if getattr(strategy, "mixed_precision", None) is not None:
-            raise ValueError(
-                "FSDPMixedPrecisionPlugin(master_weights=True) and FSDPStrategy(mixed_precision=...) both set FSDP's "
-                "mixed precision, and the strategy's would win: pass one of them (master_weights=True gives "
-                "MixedPrecision(param_dtype=half, reduce_dtype=torch.float32))."
-            )
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
+        if self.master_weights:
+            self._refuse_a_second_policy(model)
+        return self._step.connect(model, optimizers, lr_schedulers)
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if self._checker is None:  # FSDPPrecision's own raises: a sharded norm needs the plugin's measuring pass
+    def forward_context(self) -> AbstractContextManager[None]:
+        return self._step.forward_context()
+
+    @override
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with self._step.train_step_context():
+            yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        return self._step.pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        return self._step.optimizer_step(optimizer, model, closure, **kwargs)
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM and self.engine.guard is None:
+            # FSDPPrecision's own raises: a sharded norm needs the plugin's measuring pass.
             raise ValueError(
                 "FSDPMixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False) cannot clip by norm: the global norm of "
                 "the shards is measured by the plugin's gradient check. Use skip_nonfinite=True (the default), or "
                 "gradient_clip_algorithm='value'."
             )
-        super().clip_grad_by_norm(optimizer, clip_val)
+        self._step.clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._step.clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        self._step.clip_grad_by_value(optimizer, clip_val)
+
+    @override
+    def teardown(self) -> None:
+        self._step.teardown()
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._step.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._step.load_state_dict(state_dict)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -121,6 +204,18 @@ class FSDPMixedPrecisionPlugin(MixedPrecisionPlugin, FSDPPrecision):  # type: ig
         if type(self).__qualname__ not in checkpoint and "FSDPPrecision" in checkpoint:
             state = checkpoint["FSDPPrecision"]
             if state:
-                self._load_grad_scaler_state(state, "FSDPPrecision")
+                _plugin_state.load_grad_scaler_state(state, self.engine, "FSDPPrecision")
             return
-        super().on_load_checkpoint(checkpoint)
+        self._step.on_load_checkpoint(checkpoint)
+
+    # ------------------------------------------------------------------------------------------------- private
+    def _refuse_a_second_policy(self, model: nn.Module) -> None:
+        # Master weights are done by FSDP (`mixed_precision_config`), before this hook. Only a policy given to the
+        # strategy as well could be in the way: Lightning takes the strategy's over the plugin's without a word.
+        strategy = getattr(getattr(unwrap(model), "_trainer", None), "strategy", None)
+        if getattr(strategy, "mixed_precision", None) is not None:
+            raise ValueError(
+                "FSDPMixedPrecisionPlugin(master_weights=True) and FSDPStrategy(mixed_precision=...) both set FSDP's "
+                "mixed precision, and the strategy's would win: pass one of them (master_weights=True gives "
+                "MixedPrecision(param_dtype=half, reduce_dtype=torch.float32))."
+            )

@@ -1,4 +1,10 @@
-"""``MixedPrecisionMonitor``: the loss scale, skipped steps, non-finite values and memory at every step."""
+"""``MixedPrecisionMonitor``: the loss scale, skipped steps, non-finite values and memory at every step.
+
+A Trainer callback, and the same readings for Fabric and plain loops through :meth:`MixedPrecisionMonitor.observe`.
+Where the steps come from is decided once, when training starts: this package's plugins record every optimizer step's
+:class:`~lightning_amp_plus.numerics.outcome.StepResult` (``_EngineSteps``); under Lightning's own plugins the monitor
+sees each step in ``on_before_optimizer_step`` and reads a ``GradScaler``'s skips off its scale (``_ScaleReadSteps``).
+"""
 
 from __future__ import annotations
 
@@ -6,20 +12,22 @@ import math
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
 from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
+from lightning_amp_plus.numerics.engine import StepEngine
 from lightning_amp_plus.numerics.grads import nonfinite_names
+from lightning_amp_plus.numerics.outcome import StepResult
 from lightning_amp_plus.numerics.sharding import local_view
-from lightning_amp_plus.precision import MixedPrecisionPlugin, OptimizerStep, skipped_steps
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
 __all__ = ["MixedPrecisionMonitor"]
@@ -37,14 +45,14 @@ class MixedPrecisionMonitor(Callback):
 
     * ``amp/loss_scale``: the scale this step's gradients were scaled by (absent without a scaler).
     * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when a step of this batch was skipped).
-    * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the scaler's own pass (only under
-      ``MixedPrecisionPlugin``, which measures it anyway; never recomputed). When several optimizers step in one
-      batch (manual optimization), it is the norm over all of their gradients, and ``amp/grad_norm_opt{i}`` gives
-      each optimizer's own (``i``: its position in ``trainer.optimizers``).
-
-    Every optimizer step is counted and recorded, also when several optimizers step in one batch.
+    * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the plugin's own check (only under this
+      package's plugins, which measure it anyway; never recomputed). When several optimizers step in one batch (manual
+      optimization), it is the norm over all of their gradients, and ``amp/grad_norm_opt{i}`` gives each optimizer's
+      own (``i``: its position in ``trainer.optimizers``).
     * ``amp/cuda_allocated_mb``, ``amp/cuda_reserved_mb``, ``amp/cuda_peak_mb`` (the peak within the step) on CUDA;
       on CPU ``amp/cpu_rss_mb``, the process's resident memory, instead.
+
+    Every optimizer step is counted and recorded, also when several optimizers step in one batch.
 
     Non-finite values: every ``check_interval`` steps the monitor looks for parameters (after the step) holding inf/NaN
     and names them. Gradients are checked too when nothing else guards the step (``32-true``, or bf16 without the
@@ -61,11 +69,13 @@ class MixedPrecisionMonitor(Callback):
     overflow, peak memory, non-finite events) and, with ``report_path``, a PNG chart is written (needs matplotlib:
     ``pip install 'lightning-amp-plus[report]'``).
 
-    Works with ``MixedPrecisionPlugin``, Lightning's ``MixedPrecision`` (its ``torch.amp.GradScaler``: a skip shows as a
-    scale backoff) and plain ``32-true`` (then it reports what applies).
+    Works with this package's plugins, Lightning's ``MixedPrecision`` (its ``torch.amp.GradScaler``: a skip shows as a
+    scale backoff) and plain ``32-true`` (then it reports what applies). In a Fabric (or plain) loop, call
+    :meth:`observe` after each optimizer step and log what it returns; :meth:`summary` and :meth:`write_chart` at the
+    end.
 
     Args:
-        check_interval: check parameters (and unguarded gradients) every this many optimizer steps (at least 1).
+        check_interval: check parameters (and unguarded gradients) every this many optimizer steps (>= 1).
         on_nonfinite: ``"warn"``, ``"raise"`` or ``"stop"``.
         skip_window: how many recent steps the skip rate is taken over.
         skip_warn_rate: warn when the skip rate over the window exceeds this fraction.
@@ -96,14 +106,7 @@ class MixedPrecisionMonitor(Callback):
         report_path: str | Path | None = None,
     ) -> None:
         name = type(self).__name__
-        # No 0 ("never"): the summary would then report "no non-finite values found" about values nobody looked at.
-        check_interval = check_int(
-            name,
-            "check_interval",
-            check_interval,
-            1,
-            hint=": 1 checks after every step, N after every Nth (e.g. 100, to read the device less often)",
-        )
+        check_interval = check_int(name, "check_interval", check_interval, 1, hint=", e.g. 1 (every step)")
         if on_nonfinite not in _POLICIES:
             raise ValueError(f"`{name}(on_nonfinite={on_nonfinite!r})` must be one of {_POLICIES}.")
         skip_window = check_int(name, "skip_window", skip_window, 1, hint=", e.g. 100")
@@ -124,29 +127,22 @@ class MixedPrecisionMonitor(Callback):
         """Every step's record and the non-finite events: what the summary and the chart are made from."""
         self.debug_path: Path | None = None
         """The file the ``"stop"`` policy saved, once it has."""
+        self.should_stop = False
+        """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
+        self._source: _StepSource = _ScaleReadSteps(None)
         self._recent: deque[bool] = deque(maxlen=skip_window)
         self._applied_yet = False
         self._skips_seen = 0
-        self._first_step = 0
-        self._scales_before: list[float | None] = []
         self._floor_warned = False
         self._cpu_memory_said = False
         self._log_this_step = True
         self._bar_scale: float | None = None
-        self._stopping = False
-        self._named: list[tuple[str, torch.Tensor]] = []
+        self._named: list[tuple[str, Tensor]] = []
 
     # ------------------------------------------------------------------------------------------------- the step
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.history = AmpHistory(memory_kind="CUDA memory" if self._on_cuda(trainer) else "process memory")
-        self._recent.clear()
-        self._applied_yet = False
-        # Our plugin's count is a total since the first run, restored from checkpoints: new skips are what it adds.
-        # Another plugin's skips (None: it does not count them) are counted here from 0, off the scale.
-        self._skips_seen = skipped_steps(trainer) or 0
-        self._floor_warned = False
-        self._stopping = False
+        self._start(_source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
         self._named = list(pl_module.named_parameters())
 
@@ -154,22 +150,17 @@ class MixedPrecisionMonitor(Callback):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._scales_before.clear()
-        plugin = trainer.precision_plugin
-        self._first_step = plugin.steps_taken if isinstance(plugin, MixedPrecisionPlugin) else 0
+        self._source.begin_batch()
         self._log_this_step = _logs_this_step(trainer)
-        if self._log_this_step and self.log_memory and self._on_cuda(trainer):
+        if self._log_this_step and self.log_memory and _on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
 
     @override
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
-        # Once per optimizer step (several per batch under manual optimization): the scale its gradients carry. Our
-        # plugin records it with the step (read here, it would cost a fused optimizer's step a host read).
-        ours = isinstance(trainer.precision_plugin, MixedPrecisionPlugin)
-        self._scales_before.append(None if ours or trainer.scaler is None else float(trainer.scaler.get_scale()))
-        if self._checking(trainer) and not self._guarded(trainer):
+        self._source.before_step()
+        if self._checking(trainer.global_step) and not self._source.guarded:
             named = [(n, p.grad) for n, p in self._named if p.grad is not None]
             self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
 
@@ -177,110 +168,141 @@ class MixedPrecisionMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        steps = self._steps_of_this_batch(trainer)
+        steps = self._source.take()
         if not steps:
             return  # an accumulating micro-batch: no optimizer step to report
         memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
-        self._log(pl_module, steps, memory)
+        for key, value in self._metrics(steps, memory, everything=self._log_this_step).items():
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
+                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         # global_step counts every optimizer step, skipped or not
-        self._record(trainer, steps, trainer.global_step - len(steps), peak)
-        if self._checking(trainer) and not self._stopping:
+        self._record(steps, trainer.global_step - len(steps), peak)
+        # global_step counts finished steps: checked after every check_interval-th step, reported at its index.
+        if self._checking(trainer.global_step) and not self.should_stop:
             self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # A step that stopped the run (the scaler's skip limit) never reached on_train_batch_end: record it too, so the
         # history (and the summary made of it) holds every step taken.
-        steps = self._steps_of_this_batch(trainer) if isinstance(trainer.precision_plugin, MixedPrecisionPlugin) else []
-        self._record(trainer, steps, trainer.global_step, None)
+        steps = self._source.take()
+        self._record(steps, trainer.global_step, None)
 
-    def _record(self, trainer: pl.Trainer, steps: list[OptimizerStep], first: int, peak: float | None) -> None:
-        for offset, step in enumerate(steps):
-            index = first + offset
-            self.history.steps.append(StepRecord(index, step.scale, step.skipped, step.grad_norm, peak))
-            if step.overflow_params:
-                self.history.nonfinite_events.append((index, "overflowed gradients", list(step.overflow_params)))
-            self._watch_skips(trainer)
-
-    def _steps_of_this_batch(self, trainer: pl.Trainer) -> list[OptimizerStep]:
-        """Every optimizer step this batch took, in order: from our plugin's own record, or read off the scale."""
-        plugin = trainer.precision_plugin
-        if isinstance(plugin, MixedPrecisionPlugin):
-            steps = [step for step in plugin.recent_steps if step.index >= self._first_step]
-            self._first_step = plugin.steps_taken  # consumed: never reported twice
-            self._skips_seen += sum(step.skipped for step in steps)
-            return steps
-        scales = self._scales_before
-        if trainer.scaler is None or not scales:
-            return [OptimizerStep(i, i, None, False, None) for i in range(len(scales))]
-        # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
-        # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
-        after = [*scales[1:], float(trainer.scaler.get_scale())]
-        steps = [
-            OptimizerStep(i, i, before, next_scale is not None and before is not None and next_scale < before, None)
-            for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
-        ]
-        self._skips_seen += sum(step.skipped for step in steps)
-        return steps
-
-    # ----------------------------------------------------------------------------------------------- the end
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.is_global_zero:
-            return
-        print(summary(self.history))
+        if trainer.is_global_zero:
+            self._finish()
+
+    # ------------------------------------------------------------------------------- Fabric and plain loops
+    def observe(self, plugin: Any, *, model: nn.Module | None = None, step: int | None = None) -> dict[str, float]:
+        """Record the optimizer steps ``plugin`` took since the last call; return this step's metrics for a logger.
+
+        For a Fabric loop (``fabric.log_dict(monitor.observe(plugin, model=model))`` after ``optimizer.step()``)
+        or a plain one: ``plugin`` is one of this package's plugins (or anything with a ``StepEngine`` as ``engine``).
+        With ``model``, its parameters are checked for inf/NaN every ``check_interval`` steps, handled by
+        ``on_nonfinite`` (``"stop"`` saves the debug file in the working folder and sets :attr:`should_stop`).
+
+        Args:
+            plugin: the precision plugin whose steps to read.
+            model: the model whose parameters to check (optional).
+            step: the step number to record (default: the plugin's count of optimizer steps before these).
+
+        Returns:
+            The ``amp/...`` metrics of the class docstring for the steps taken since the last call (``{}`` if none).
+        """
+        engine = getattr(plugin, "engine", None)
+        if not isinstance(engine, StepEngine):
+            raise TypeError(
+                f"`MixedPrecisionMonitor.observe(plugin={plugin!r})` reads this package's plugins (for Fabric: "
+                "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
+            )
+        if not isinstance(self._source, _EngineSteps) or self._source.engine is not engine:
+            self._start(_EngineSteps(plugin), None)
+        steps = self._source.take()
+        if not steps:
+            return {}
+        first = steps[0].index if step is None else step
+        memory = self._cpu_or_cuda_memory(model) if self.log_memory else {}
+        metrics = self._metrics(steps, memory, everything=True)
+        self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
+        last = (first or 0) + len(steps) - 1
+        if model is not None and self._checking(last + 1):
+            self._found(None, model, "parameters", nonfinite_names(list(model.named_parameters())), last)
+        return metrics
+
+    def summary(self) -> str:
+        """The one-paragraph summary of the run so far (what ``fit`` prints at its end)."""
+        return summary(self.history)
+
+    def write_chart(self, path: str | Path | None = None) -> Path:
+        """Write the PNG chart of the run so far to ``path`` (default: ``report_path``); return where it went."""
+        target = self.report_path if path is None else check_chart_path(path, "path")
+        if target is None:
+            raise ValueError("`MixedPrecisionMonitor.write_chart()` needs a path: pass one, or set report_path.")
+        write_chart(self.history, target)
+        return target
+
+    # -------------------------------------------------------------------------------------------------- helpers
+    def _start(self, source: _StepSource, memory_kind: str | None) -> None:
+        self._source = source
+        self.history = AmpHistory(memory_kind=memory_kind or "process memory")
+        self._recent.clear()
+        self._applied_yet = False
+        self._floor_warned = False
+        self.should_stop = False
+        # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
+        self._skips_seen = source.skips_so_far()
+
+    def _finish(self) -> None:
+        print(self.summary())
         if self.report_path is not None:
             write_chart(self.history, self.report_path)
             print(f"MixedPrecisionMonitor: chart written to {self.report_path}")
 
-    # -------------------------------------------------------------------------------------------------- helpers
-    def _log(self, pl_module: pl.LightningModule, steps: list[OptimizerStep], memory: dict[str, float]) -> None:
-        # `self.log` costs about a millisecond a call, so the metrics are logged only on the steps Lightning writes
-        # to its loggers; between them only a changed loss scale is logged, for the progress bar.
+    def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
+        for offset, result in enumerate(steps):
+            index = first + offset
+            self.history.steps.append(StepRecord(index, result.scale, result.skipped, result.grad_norm, peak))
+            if result.overflow_params:
+                self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
+            self._watch_skips()
+
+    def _metrics(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
+        # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
+        # its loggers; between them only a changed loss scale is, for the progress bar.
+        self._skips_seen += sum(step.skipped for step in steps)
         scale = steps[0].scale  # one scale per batch: the scaler updates once for all of the batch's steps
         metrics: dict[str, float] = {}
-        if scale is not None and (self._log_this_step or (self.prog_bar and scale != self._bar_scale)):
+        if scale is not None and (everything or (self.prog_bar and scale != self._bar_scale)):
             metrics["amp/loss_scale"] = self._bar_scale = scale
-        if self._log_this_step:
-            metrics["amp/skipped_steps"] = float(self._skips_seen)
-            metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
-            norms = [step.grad_norm for step in steps if step.grad_norm is not None]
-            if norms:
-                # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
-                metrics["amp/grad_norm"] = math.sqrt(sum(norm * norm for norm in norms))
-            if len({step.optimizer for step in steps}) > 1:
-                for step in steps:
-                    if step.grad_norm is not None:
-                        metrics[f"amp/grad_norm_opt{step.optimizer}"] = step.grad_norm
-            metrics.update({f"amp/{key}": value for key, value in memory.items()})
-        for key, value in metrics.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
-                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
+        if not everything:
+            return metrics
+        metrics["amp/skipped_steps"] = float(self._skips_seen)
+        metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
+        norms = [step.grad_norm for step in steps if step.grad_norm is not None]
+        if norms:
+            # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
+            metrics["amp/grad_norm"] = math.sqrt(sum(norm * norm for norm in norms))
+        if len({step.optimizer for step in steps}) > 1:
+            for step in steps:
+                if step.grad_norm is not None:
+                    metrics[f"amp/grad_norm_opt{step.optimizer}"] = step.grad_norm
+        metrics.update({f"amp/{key}": value for key, value in memory.items()})
+        return metrics
 
-    @staticmethod
-    def _on_cuda(trainer: pl.Trainer) -> bool:
-        return trainer.strategy.root_device.type == "cuda"
+    def _checking(self, count: int) -> bool:
+        # Inside a step `count` is the index of the step being taken; after it, the number of steps finished.
+        return count % self.check_interval == 0
 
-    def _checking(self, trainer: pl.Trainer) -> bool:
-        # global_step counts finished steps: inside the step it is the index of the step being taken.
-        return self.check_interval > 0 and trainer.global_step % self.check_interval == 0
-
-    def _guarded(self, trainer: pl.Trainer) -> bool:
-        """Whether something already checks this step's gradients and skips it on inf/NaN."""
-        plugin = trainer.precision_plugin
-        if isinstance(plugin, MixedPrecisionPlugin):
-            return plugin.skip_nonfinite
-        return trainer.scaler is not None
-
-    def _watch_skips(self, trainer: pl.Trainer) -> None:
-        last_skipped = self.history.steps[-1].skipped
-        if not self._applied_yet and not last_skipped:
+    def _watch_skips(self) -> None:
+        last = self.history.steps[-1]
+        if not self._applied_yet and not last.skipped:
             # The skips before the first applied step were the scale finding its level from `init_scale`: not a
             # problem. A run that never applies a step keeps them, and its window fills with skips.
             self._applied_yet = True
             self._recent.clear()
-        self._recent.append(last_skipped)
+        self._recent.append(last.skipped)
         window = len(self._recent)
         if window == self.skip_window and sum(self._recent) / window > self.skip_warn_rate:
             rank_zero_warn(
@@ -291,9 +313,7 @@ class MixedPrecisionMonitor(Callback):
                 category=RuntimeWarning,
             )
             self._recent.clear()  # warn at most once per window
-        plugin = trainer.precision_plugin
-        floor = plugin.min_scale if isinstance(plugin, MixedPrecisionPlugin) else None
-        last = self.history.steps[-1]
+        floor = self._source.floor()
         # Only a step skipped at the floor shows gradients overflowing unscaled (a scale may start at its floor).
         at_floor = floor is not None and last.scale is not None and last.scale <= floor
         if at_floor and last.skipped and not self._floor_warned:
@@ -305,8 +325,17 @@ class MixedPrecisionMonitor(Callback):
             )
 
     def _memory(self, trainer: pl.Trainer) -> dict[str, float]:
-        if self._on_cuda(trainer):
+        if _on_cuda(trainer):
             return _memory.cuda_memory_mb(trainer.strategy.root_device)
+        return self._cpu_memory()
+
+    def _cpu_or_cuda_memory(self, model: nn.Module | None) -> dict[str, float]:
+        param = None if model is None else next(model.parameters(), None)
+        if param is not None and param.device.type == "cuda":
+            return _memory.cuda_memory_mb(param.device)
+        return self._cpu_memory()
+
+    def _cpu_memory(self) -> dict[str, float]:
         if not self._cpu_memory_said:
             self._cpu_memory_said = True
             rank_zero_info(
@@ -315,9 +344,7 @@ class MixedPrecisionMonitor(Callback):
             )
         return {"cpu_rss_mb": _memory.process_rss_mb()}
 
-    def _found(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str], step: int
-    ) -> None:
+    def _found(self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int) -> None:
         if not names:
             return
         self.history.nonfinite_events.append((step, kind, names))
@@ -325,31 +352,37 @@ class MixedPrecisionMonitor(Callback):
         message = f"MixedPrecisionMonitor: non-finite {kind} at step {step}: {shown}."
         if self.on_nonfinite == "raise":
             raise FloatingPointError(message + " (on_nonfinite='raise')")
-        if self.on_nonfinite == "stop":
-            self.debug_path = self._save_debug(trainer, pl_module, kind, names)
-            trainer.should_stop = True
-            self._stopping = True
-            if kind == "gradients":
-                # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
-                for _, param in self._named:
-                    param.grad = None
-            rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
+        if self.on_nonfinite == "warn":
+            rank_zero_warn(message)
             return
-        rank_zero_warn(message)
+        self.debug_path = self._save_debug(trainer, module, kind, names, step)
+        self.should_stop = True
+        if trainer is not None:
+            trainer.should_stop = True
+        if kind == "gradients":
+            # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
+            for _, param in self._named:
+                param.grad = None
+        rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
 
-    def _save_debug(self, trainer: pl.Trainer, pl_module: pl.LightningModule, kind: str, names: list[str]) -> Path:
-        path = Path(trainer.default_root_dir) / f"amp_nonfinite_step{trainer.global_step}.pt"
+    def _save_debug(
+        self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int
+    ) -> Path:
+        folder = Path(trainer.default_root_dir) if trainer is not None else Path.cwd()
+        path = folder / f"amp_nonfinite_step{step if trainer is None else trainer.global_step}.pt"
         # On every rank: under FSDP the module's state_dict() is a collective; rank zero alone would wait forever.
-        state = {key: local_view(value).detach().cpu() for key, value in pl_module.state_dict().items()}
-        if trainer.is_global_zero:
+        state = {key: local_view(value).detach().cpu() for key, value in module.state_dict().items()}
+        if trainer is None or trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-            grads = {n: local_view(p.grad).detach().cpu() for n, p in self._named if p.grad is not None}
+            named = self._named or list(module.named_parameters())
+            grads = {n: local_view(p.grad).detach().cpu() for n, p in named if p.grad is not None}
+            scale = self.history.steps[-1].scale if self.history.steps else None
             torch.save(
                 {
-                    "global_step": trainer.global_step,
+                    "global_step": step if trainer is None else trainer.global_step,
                     "kind": kind,
                     "names": names,
-                    "loss_scale": None if trainer.scaler is None else float(trainer.scaler.get_scale()),
+                    "loss_scale": scale,
                     "state_dict": state,
                     "grads": grads,
                     "history": [asdict(record) for record in self.history.steps[-100:]],
@@ -357,6 +390,106 @@ class MixedPrecisionMonitor(Callback):
                 path,
             )
         return path
+
+
+# --------------------------------------------------------------------------------------------- step sources
+class _StepSource(Protocol):
+    """Where the monitor learns about each optimizer step (chosen once, when training starts)."""
+
+    guarded: bool
+    """Whether something checks each step's gradients and skips the step on inf/NaN."""
+
+    def floor(self) -> float | None:
+        """The loss scale's floor, if known."""
+
+    def skips_so_far(self) -> int:
+        """Skips counted before training started (restored from a checkpoint)."""
+
+    def begin_batch(self) -> None:
+        """A training batch starts."""
+
+    def before_step(self) -> None:
+        """An optimizer step is about to run (``on_before_optimizer_step``)."""
+
+    def take(self) -> list[StepResult]:
+        """The steps taken since the last call, in order."""
+
+
+class _EngineSteps:
+    """The package's plugins: the engine records every optimizer step's result (nothing is read off the scale)."""
+
+    def __init__(self, plugin: Any) -> None:
+        self._plugin = plugin
+        self.engine: StepEngine = plugin.engine
+        self.guarded = self.engine.guard is not None
+        self._next = self.engine.steps_taken
+
+    def floor(self) -> float | None:
+        floor: float | None = getattr(self._plugin, "min_scale", None)
+        return floor
+
+    def skips_so_far(self) -> int:
+        return self.engine.skipped_steps
+
+    def begin_batch(self) -> None:
+        pass
+
+    def before_step(self) -> None:
+        pass
+
+    def take(self) -> list[StepResult]:
+        steps = self.engine.results_since(self._next)
+        self._next = self.engine.steps_taken  # consumed: never reported twice
+        return steps
+
+
+class _ScaleReadSteps:
+    """Lightning's own plugins: each step is seen before it runs; a ``GradScaler``'s skip shows as a scale backoff."""
+
+    def __init__(self, trainer: pl.Trainer | None) -> None:
+        self._trainer = trainer
+        self.guarded = trainer is not None and trainer.scaler is not None
+        self._scales: list[float | None] = []
+
+    def floor(self) -> float | None:
+        return None
+
+    def skips_so_far(self) -> int:
+        return 0  # a GradScaler does not count them
+
+    def begin_batch(self) -> None:
+        self._scales.clear()
+
+    def before_step(self) -> None:
+        scaler = None if self._trainer is None else self._trainer.scaler
+        self._scales.append(None if scaler is None else float(scaler.get_scale()))
+
+    def take(self) -> list[StepResult]:
+        scales, self._scales = self._scales, []
+        scaler = None if self._trainer is None else self._trainer.scaler
+        if scaler is None or not scales:
+            return [StepResult.known(skipped=False, scale=None, grad_norm=None, index=i) for i in range(len(scales))]
+        # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
+        # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
+        after = [*scales[1:], float(scaler.get_scale())]
+        return [
+            StepResult.known(
+                skipped=before is not None and next_scale is not None and next_scale < before,
+                scale=before,
+                grad_norm=None,
+                index=i,
+                optimizer=i,
+            )
+            for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
+        ]
+
+
+def _source_for(plugin: Any, trainer: pl.Trainer) -> _StepSource:
+    return _EngineSteps(plugin) if isinstance(getattr(plugin, "engine", None), StepEngine) else _ScaleReadSteps(trainer)
+
+
+def _on_cuda(trainer: pl.Trainer) -> bool:
+    return trainer.strategy.root_device.type == "cuda"
 
 
 def _logs_this_step(trainer: pl.Trainer) -> bool:

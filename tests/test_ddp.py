@@ -47,6 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
+from lightning_amp_plus.numerics import guard
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
@@ -266,7 +267,7 @@ def without_the_reduction(out: Path) -> dict[str, Any]:
     """The same fault with the overflow flag NOT reduced across ranks: what the feature prevents."""
     torch.manual_seed(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(DynamicLossScaler, "_reduce_across_ranks", lambda self, total: total)
+        patch.setattr(guard, "max_across_ranks", lambda norm, group: norm)
         return recorded_fit(RankData(), our_plugin("bf16-mixed", False), FAULT_STEP + 2)
 
 
@@ -316,27 +317,12 @@ def monitor(out: Path) -> dict[str, Any]:
     }
 
 
-def fp32_grad_accumulation(out: Path) -> dict[str, Any]:
-    """Master weights with accumulation, with and without fp32_grad_accumulation (a no-op under DDP)."""
-    results = {}
-    for option in (False, True):
-        torch.manual_seed(0)
-        results[option] = recorded_fit(
-            RankData(fault_steps=()),
-            our_plugin("bf16-mixed", True, fp32_grad_accumulation=option),
-            4,
-            accumulate_grad_batches=2,
-        )
-    return results
-
-
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
     "modes": each_mode,
     "unreduced": without_the_reduction,
     "accumulation": accumulation,
     "checkpoints": checkpoints,
     "monitor": monitor,
-    "fp32_grad_accumulation": fp32_grad_accumulation,
 }
 
 
@@ -394,7 +380,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_the_replicas_s
 def test_without_the_reduction_of_the_overflow_flag_only_the_faulty_rank_skips_and_the_replicas_diverge(
     ranks: list[dict[str, Any]],
 ) -> None:
-    """The negative control of the test above: `_reduce_across_ranks` patched to the identity in the workers."""
+    """The negative control of the test above: the MAX across ranks patched to the identity in the workers."""
     rank0, rank1 = scenario(ranks, "unreduced")
     assert [b["skipped"] for b in rank0["batches"]] == [False] * (FAULT_STEP + 2)
     assert [b["skipped"] for b in rank1["batches"]] == [step == FAULT_STEP for step in range(FAULT_STEP + 2)]
@@ -433,13 +419,6 @@ def test_gradient_accumulation_with_master_weights_all_reduces_once_per_step_and
             moved = not torch.equal(batch["after"]["masters"][0], batch["before"]["masters"][0])
             assert moved == (index % 2 == 1), index
         assert set(record["dtypes"]) == {"torch.float32"}
-
-
-def test_fp32_grad_accumulation_under_ddp_trains_exactly_as_without_it(ranks: list[dict[str, Any]]) -> None:
-    """Under DDP the model's gradients are FP32 already (autocast casts per op): they accumulate in FP32 either way."""
-    for record in scenario(ranks, "fp32_grad_accumulation"):
-        torch.testing.assert_close(record[True]["final"], record[False]["final"], rtol=0, atol=0)
-        assert {dtype for dtype, _ in record[True]["buckets"]} == {"torch.bfloat16"}
 
 
 def test_a_checkpoint_written_by_rank_zero_resumes_on_two_ranks_exactly_as_the_uninterrupted_run(

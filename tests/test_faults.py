@@ -377,7 +377,8 @@ def test_overflow_at_every_step_stops_within_max_consecutive_skips_and_checkpoin
     last_good = torch.load(tmp_path / f"step={GOOD_STEPS}.ckpt", weights_only=True)
     assert_close(checkpoint["state_dict"], last_good["state_dict"], rtol=0, atol=0)
     assert checkpoint["MixedPrecisionPlugin"]["scaler"]["skipped_steps"] == steps_to_floor + max_skips
-    assert checkpoint["MixedPrecisionPlugin"]["scaler"]["scale"] == (0.5 if mode.precision == "16-mixed" else 1.0)
+    # bf16's check keeps no scale, only the counters.
+    assert checkpoint["MixedPrecisionPlugin"]["scaler"].get("scale") == (0.5 if mode.precision == "16-mixed" else None)
     assert len(checkpoint["optimizer_states"][0]["state"]) == 4  # Adam's state of every parameter was walked
     assert all(value.dtype == torch.float32 for value in checkpoint["state_dict"].values())
 

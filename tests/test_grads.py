@@ -1,11 +1,11 @@
-"""The fused passes over gradients: unscale + measure, and clipping with a measured norm."""
+"""The passes over gradients: unscale, the global norm (torch's, bit for bit), each gradient's norm, clipping."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_amp_plus.numerics.grads import _PIECE, clip_by_norm_, measure, nonfinite_names, unscale_and_measure_
+from lightning_amp_plus.numerics.grads import clip_by_norm_, global_norm, measure, nonfinite_names, unscale_
 
 CPU = torch.device("cpu")
 
@@ -16,55 +16,78 @@ def grads(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_unscale_multiplies_in_place_and_measures_the_unscaled_norms(dtype: torch.dtype) -> None:
+def test_unscale_multiplies_in_place(dtype: torch.dtype) -> None:
     g = [t * 64 for t in grads(dtype)]
     expected = [t.float() / 64 for t in g]
-    squared = unscale_and_measure_(g, 1 / 64, CPU)
+    unscale_(g, 1 / 64)
     # Multiplying by a power of two is exact in every float format.
     for got, want in zip(g, expected, strict=True):
         torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
-    reference = torch.stack([torch.linalg.vector_norm(t) ** 2 for t in expected])
-    # float32 sums in a different order than vector_norm: a few ulps.
-    torch.testing.assert_close(squared, reference, rtol=1e-5, atol=0)
+
+
+def test_unscale_gives_gradscalers_values() -> None:
+    # GradScaler multiplies by the float32 inverse of the scale in its fused kernel: the same values.
+    torch.manual_seed(0)
+    ours = [torch.randn(50) * 3000 for _ in range(3)]
+    theirs = [t.clone() for t in ours]
+    found_inf, inv = torch.zeros(1), torch.full((1,), 1 / 3000.0)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv)
+    unscale_(ours, float(inv.item()))
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shapes", [[(7, 5), (300,), (3, 4, 5), (1,)], [(1000, 1000), (70_000,), (3,)]])
+def test_the_global_norm_is_clip_grad_norms_bit_for_bit(shapes: list[tuple[int, ...]]) -> None:
+    torch.manual_seed(3)
+    g = [torch.randn(shape) for shape in shapes] + [torch.randn(9, dtype=torch.float64)]
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in g]
+    for p, t in zip(params, g, strict=True):
+        p.grad = t.clone()
+    total = torch.nn.utils.clip_grad_norm_(params, 1e9)
+    assert global_norm(g).item() == total.float().item()
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
-def test_a_single_non_finite_value_makes_only_its_tensors_norm_non_finite(bad: float) -> None:
+def test_a_single_non_finite_value_makes_the_global_norm_and_its_tensors_norm_non_finite(bad: float) -> None:
     g = grads()
     g[2][1, 2, 3] = bad
-    squared = unscale_and_measure_(g, 0.5, CPU)
-    assert torch.isfinite(squared).tolist() == [True, True, False, True]
+    assert not torch.isfinite(global_norm(g))
+    assert torch.isfinite(measure(g, CPU)).tolist() == [True, True, False, True]
 
 
 def test_overflow_created_by_the_unscale_itself_is_caught() -> None:
-    # A scale below 1 multiplies: 40000 * 2 overflows fp16. The check runs after the multiply, so it sees the inf.
+    # A scale below 1 multiplies: 40000 * 2 overflows fp16. The norm is taken after the multiply, so it sees the inf.
     g = [torch.tensor([40000.0, 1.0], dtype=torch.float16)]
-    squared = unscale_and_measure_(g, 2.0, CPU)
-    assert not torch.isfinite(squared).all()
+    unscale_(g, 2.0)
+    assert not torch.isfinite(global_norm(g))
 
 
 def test_fp16_gradients_do_not_overflow_their_norm_accumulation() -> None:
-    # The squared norm of these fp16 values (~1e9) is far beyond fp16's 65504: it is accumulated in float32.
+    # The norm of these fp16 values (~31623) squared is far beyond fp16's 65504: it is accumulated in float32.
     g = [torch.full((1000,), 1000.0, dtype=torch.float16)]
-    squared = unscale_and_measure_(g, None, CPU)
-    torch.testing.assert_close(squared, torch.tensor([1e9]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(global_norm(g), torch.tensor(1e9).sqrt(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(measure(g, CPU), torch.tensor([1e9]).sqrt(), rtol=1e-6, atol=0)
 
 
-def test_measuring_without_a_scale_leaves_gradients_untouched() -> None:
+def test_measuring_leaves_gradients_untouched() -> None:
     g = grads()
     before = [t.clone() for t in g]
-    unscale_and_measure_(g, None, CPU)
+    global_norm(g)
+    measure(g, CPU)
     for got, want in zip(g, before, strict=True):
         assert torch.equal(got, want)
 
 
 def test_gradients_of_mixed_dtypes_keep_their_order() -> None:
     g = [torch.tensor([3.0]), torch.tensor([4.0], dtype=torch.float16), torch.tensor([5.0], dtype=torch.bfloat16)]
-    assert unscale_and_measure_(g, None, CPU).tolist() == [9.0, 16.0, 25.0]
+    assert measure(g, CPU).tolist() == [3.0, 4.0, 5.0]
+    assert global_norm(g).item() == pytest.approx(50**0.5, rel=1e-6)
 
 
-def test_no_gradients_give_an_empty_result() -> None:
-    assert unscale_and_measure_([], None, CPU).numel() == 0
+def test_no_gradients_give_an_empty_result_and_a_zero_norm() -> None:
+    assert measure([], CPU).numel() == 0
+    assert global_norm([]).item() == 0.0
 
 
 def sparse(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -75,47 +98,37 @@ def sparse(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Ten
 
 def test_sparse_gradients_are_unscaled_in_place_and_measured_by_their_dense_norm() -> None:
     g = sparse([8.0, 4.0, 4.0, 16.0])
-    squared = unscale_and_measure_([g], 0.25, CPU)
+    unscale_([g], 0.25)
     assert not g.is_coalesced()  # the same sparse tensor, its values multiplied
     torch.testing.assert_close(g.to_dense(), torch.tensor([2.0, 2.0, 0.0, 4.0]), rtol=0, atol=0)
-    torch.testing.assert_close(squared, torch.tensor([4.0 + 4.0 + 16.0]), rtol=0, atol=0)
+    torch.testing.assert_close(measure([g], CPU), torch.tensor([24.0]).sqrt(), rtol=0, atol=0)
+    torch.testing.assert_close(global_norm([g, torch.tensor([5.0])]), torch.tensor(49.0).sqrt(), rtol=1e-7, atol=0)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
 def test_a_non_finite_sparse_value_makes_its_norm_non_finite(bad: float) -> None:
-    squared = unscale_and_measure_([torch.ones(3), sparse([1.0, bad, 1.0, 1.0])], 0.5, CPU)
-    assert torch.isfinite(squared).tolist() == [True, False]
+    g = [torch.ones(3), sparse([1.0, bad, 1.0, 1.0])]
+    assert torch.isfinite(measure(g, CPU)).tolist() == [True, False]
+    assert not torch.isfinite(global_norm(g))
 
 
-def test_float64_gradients_are_measured_in_float64() -> None:
-    # 1e30**2 overflows float32 but not float64; the squared norm is returned in float32 (inf here, as documented),
-    # while a moderate float64 value keeps its precision until that final rounding.
+def test_float64_gradients_are_measured_in_float64_and_returned_in_float32() -> None:
+    # A moderate float64 value keeps its precision until the final rounding to float32.
     g = [torch.tensor([1e-30, 3.0], dtype=torch.float64), torch.tensor([1.0 + 2**-40], dtype=torch.float64)]
-    squared = unscale_and_measure_(g, 0.5, CPU)
-    assert squared.dtype == torch.float32
-    torch.testing.assert_close(squared, torch.tensor([2.25, 0.25]), rtol=0, atol=0)
+    unscale_(g, 0.5)
+    norms = measure(g, CPU)
+    assert norms.dtype == torch.float32 and global_norm(g).dtype == torch.float32
+    torch.testing.assert_close(norms, torch.tensor([1.5, 0.5]), rtol=0, atol=0)
     assert g[0].dtype == torch.float64 and g[1].item() == (1.0 + 2**-40) / 2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_large_tensors_measured_piece_by_piece_give_the_norm_of_the_whole(dtype: torch.dtype) -> None:
-    torch.manual_seed(0)
-    big = [(torch.randn(3 * _PIECE + 17) * 8).to(dtype), (torch.randn(70_000) * 8).to(dtype)]
-    expected = torch.stack([(t.double() / 8).square().sum() for t in big]).float()
-    squared = unscale_and_measure_(big, 1 / 8, CPU)
-    # Against float64: a float32 dot over ~1e6 terms carries a relative error of order sqrt(n) * 2**-24 (~6e-5).
-    torch.testing.assert_close(squared, expected, rtol=2e-4, atol=0)
 
 
 def test_a_large_non_contiguous_tensor_is_unscaled_in_place() -> None:
     torch.manual_seed(0)
     base = torch.randn(400, 400) * 4
     original = base.clone()
-    g = base.t()  # not contiguous: no flat view to cut into pieces
-    squared = unscale_and_measure_([g], 0.25, CPU)
+    g = base.t()  # not contiguous
+    unscale_([g], 0.25)
     torch.testing.assert_close(base, original * 0.25, rtol=0, atol=0)  # in place, through the transposed view
-    # Against float64: a float32 dot over 160k terms, relative error of order sqrt(n) * 2**-24.
-    torch.testing.assert_close(squared[0], (original.double() / 4).square().sum().float(), rtol=1e-4, atol=0)
 
 
 def test_measure_reads_each_norm_without_touching_the_gradients() -> None:
@@ -134,13 +147,13 @@ def test_nonfinite_names_judges_sparse_tensors_by_their_values() -> None:
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])
-def test_clip_by_norm_matches_torch_clip_grad_norm(max_norm: float) -> None:
+def test_clip_by_norm_with_the_global_norm_matches_torch_clip_grad_norm(max_norm: float) -> None:
     ours = grads()
     params = [torch.nn.Parameter(torch.zeros_like(t)) for t in ours]
     for p, t in zip(params, ours, strict=True):
         p.grad = t.clone()
     total = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    clip_by_norm_(ours, float(total), max_norm)
+    clip_by_norm_(ours, float(global_norm(ours)), max_norm)
     # Same formula (max_norm / (norm + 1e-6)) and the same total norm: identical results.
     for got, p in zip(ours, params, strict=True):
         torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
@@ -154,7 +167,7 @@ def test_clip_does_not_touch_gradients_under_the_limit() -> None:
 
 
 def test_measure_keeps_the_order_of_interleaved_dtypes_and_sizes() -> None:
-    big = 1 << 17  # above the size measured with a dot product on CPU
+    big = 1 << 17
     g = [torch.full((big,), 1.0), torch.full((3,), 2.0, dtype=torch.float16), torch.full((4,), 3.0),
          torch.full((big,), 0.5, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.bfloat16)]  # fmt: skip
     expected = torch.stack([torch.linalg.vector_norm(t.double()) for t in g]).float()

@@ -284,7 +284,7 @@ def token_streams(n: int = 48, vocab: int = 40, length: int = 9) -> DataLoader[t
 
 
 def lm_plugin(mode: Mode) -> MixedPrecisionPlugin:
-    return ours(mode, keep_fp32=(nn.LSTM,)) if mode.master_weights else ours(mode)
+    return ours(mode)
 
 
 # ------------------------------------------------------------------------------- 1. training_step returns None
@@ -471,27 +471,11 @@ def gan_run(plugin: Precision) -> dict[str, Any]:
     return {"generator": parameters_of(model.generator), "discriminator": parameters_of(model.discriminator)}
 
 
-@pytest.mark.parametrize("mode", [m for m in MODES if not m.master_weights], ids=str)
+@pytest.mark.parametrize("mode", MODES, ids=str)
 def test_a_gan_with_toggle_optimizer_trains_as_under_lightnings_plugin(mode: Mode) -> None:
+    """Its discriminator is applied twice per D loss (real and fake samples): each use is cast by autocast, and the
+    two gradients are summed in FP32, as under Lightning's plugin, with master weights too (bit for bit)."""
     check_against_lightning(mode, gan_run)
-
-
-@pytest.mark.parametrize("mode", [m for m in MODES if m.master_weights], ids=str)
-def test_a_gan_with_master_weights_trains_as_under_lightnings_plugin_with_its_discriminator_kept_fp32(
-    mode: Mode,
-) -> None:
-    check_against_lightning(mode, gan_run, plugin=ours(mode, keep_fp32=(Discriminator,)))
-
-
-@pytest.mark.parametrize("mode", [m for m in MODES if m.master_weights], ids=str)
-def test_a_discriminator_applied_twice_is_named_and_stays_within_one_extra_rounding_per_step(mode: Mode) -> None:
-    """Its half copy feeds the loss twice, so autograd sums the two gradients in the half dtype: one more rounding per
-    D step than Lightning's FP32 sum, half an ulp relative (2**-9 in bf16, 2**-12 in fp16, rounded up here to 2**-8
-    and 2**-11). Adam's update moves by at most lr per step for such a relative change: over 12 D steps of lr 1e-3,
-    12 * 1e-3 times that bound."""
-    relative = 2.0**-8 if mode.precision == "bf16-mixed" else 2.0**-11
-    with pytest.warns(UserWarning, match=r"discriminator\.0\.weight \(2 uses\).*keep_fp32=\(YourModule,\)"):
-        check_against_lightning(mode, gan_run, atol=12 * 1e-3 * relative)
 
 
 # ------------------------------------------------------------------------ 8. SWA, load_state_dict between fits
@@ -719,11 +703,8 @@ def test_gradient_accumulation_with_clipping_and_a_per_step_one_cycle_schedule(m
         trainer.fit(model, loader(n=320))
         return {"params": parameters_of(model), "lr": trainer.optimizers[0].param_groups[0]["lr"]}
 
-    # Clipping by norm: ours reuses the norm of the check, torch's clip_grad_norm_ sums the squares in another order:
-    # last-bit differences in the coefficient (rtol 1e-5, as in the plugin's own clipping tests). With master weights
-    # the micro-batches' sums are kept in FP32 (fp32_grad_accumulation), as Lightning's FP32 gradients keep them.
-    plugin = ours(mode, fp32_grad_accumulation=True) if mode.master_weights else ours(mode)
-    check_against_lightning(mode, run, plugin=plugin, rtol=1e-5, atol=1e-7)
+    # Bit for bit, clipping by norm included (the check's norm is clip_grad_norm_'s).
+    check_against_lightning(mode, run)
 
 
 # ------------------------------------------------- 15. ModelCheckpoint + EarlyStopping + LearningRateMonitor

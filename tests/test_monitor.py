@@ -388,28 +388,16 @@ def test_check_interval_reports_a_nan_parameter_at_the_next_multiple_and_not_bef
     assert found_at == [9, 14]
 
 
-def test_check_interval_zero_is_refused_naming_the_argument_the_value_and_the_fix():
-    # 0 used to mean "never check": the summary then said "no non-finite parameters or gradients found" about a run
-    # whose weight was NaN. A monitor that looks at nothing must not be built.
-    with pytest.raises(ValueError) as error:
+def test_check_interval_zero_is_refused_because_its_summary_would_claim_a_check_never_made():
+    # It used to be accepted, checked nothing, and the summary said "no non-finite parameters or gradients found".
+    with pytest.raises(ValueError, match=r"check_interval=0\)` .*>= 1, e\.g\. 1 \(every step\)"):
         MixedPrecisionMonitor(check_interval=0)
-    message = str(error.value)
-    assert message.startswith("`MixedPrecisionMonitor(check_interval=0)` must be an int >= 1: 1 checks after every")
-    assert "e.g. 100" in message
 
 
-@pytest.mark.parametrize("name", ["prog_bar", "log_memory"])
-@pytest.mark.parametrize("value", ["no", "yes", 0, 1, None])
-def test_a_flag_that_is_not_a_bool_is_refused_with_the_plugins_rule(name, value):
-    with pytest.raises(TypeError) as error:
-        MixedPrecisionMonitor(**{name: value})
-    # The plugin's own rule, word for word (lightning_amp_plus.numerics.checks.check_bool).
-    with pytest.raises(TypeError) as plugin_error:
-        MixedPrecisionPlugin("bf16-mixed", "cpu", master_weights=value)
-    assert str(error.value) == str(plugin_error.value).replace("MixedPrecisionPlugin", "MixedPrecisionMonitor").replace(
-        "master_weights", name
-    )
-    assert str(error.value).startswith(f"`MixedPrecisionMonitor({name}={value!r})` must be True or False, not a")
+@pytest.mark.parametrize("flag", ["prog_bar", "log_memory"])
+def test_flags_must_be_bools_as_the_plugins_flags_are(flag):
+    with pytest.raises(TypeError, match=rf"MixedPrecisionMonitor\({flag}='no'\)` must be True or False"):
+        MixedPrecisionMonitor(**{flag: "no"})
 
 
 BAD_ARGUMENTS = [

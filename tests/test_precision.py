@@ -714,9 +714,12 @@ def test_flags_must_be_bools_and_the_error_names_the_option_and_the_value(option
         MixedPrecisionPlugin("bf16-mixed", **{option: value})
 
 
-def test_fp32_grad_accumulation_must_be_a_bool_too() -> None:
-    with pytest.raises(TypeError, match=r"fp32_grad_accumulation='no'\)` must be True or False"):
-        MixedPrecisionPlugin("bf16-mixed", master_weights=True, fp32_grad_accumulation="no")  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("option", "value"), [("half_modules", (torch.nn.Linear,)), ("fp32_grad_accumulation", False)]
+)
+def test_options_of_the_old_master_weights_are_refused_with_what_replaced_them(option: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=rf"{option}=.*was removed in 0\.2: .* Drop {option}"):
+        MixedPrecisionPlugin("bf16-mixed", master_weights=True, **{option: value})
 
 
 @pytest.mark.parametrize("value", ["abc", -5, 0, 2.5, True])

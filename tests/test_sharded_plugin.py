@@ -51,7 +51,7 @@ def scaler(precision: str) -> DynamicLossScaler | None:
     return DynamicLossScaler(init_scale=2.0**10, growth_interval=2) if precision == "16-mixed" else None
 
 
-def plugin_for(strategy: str, precision: str, master_weights: bool) -> MixedPrecisionPlugin:
+def plugin_for(strategy: str, precision: str, master_weights: bool) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
     if strategy == "fsdp":
         return FSDPMixedPrecisionPlugin(precision, "cpu", scaler(precision), master_weights=master_weights)  # type: ignore[arg-type]
     # Under FSDP2 master weights are the model's own policy (fully_shard), not the plugin's option.
@@ -107,7 +107,7 @@ class Steps(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = trainer.precision_plugin
-        assert isinstance(plugin, MixedPrecisionPlugin)
+        assert isinstance(plugin, MixedPrecisionPlugin | FSDPMixedPrecisionPlugin)
         self.steps.append(
             {
                 "skipped": plugin.last_step_skipped,

@@ -136,10 +136,10 @@ def check_int(owner: str, name: str, value: object, minimum: int, hint: str = ""
         Traceback (most recent call last):
         ...
         ValueError: `CifarCNN(width=0)` must be an int >= 1.
-        >>> check_int("MixedPrecisionMonitor", "check_interval", True, minimum=0, hint=" (0 never checks)")
+        >>> check_int("MixedPrecisionMonitor", "check_interval", True, minimum=1, hint=", e.g. 1 (every step)")
         Traceback (most recent call last):
         ...
-        ValueError: `MixedPrecisionMonitor(check_interval=True)` must be an int >= 0 (0 never checks).
+        ValueError: `MixedPrecisionMonitor(check_interval=True)` must be an int >= 1, e.g. 1 (every step).
     """
     number: int | None = int(value) if is_int(value) else None  # type: ignore[call-overload]
     if number is None or number < minimum:

@@ -1,40 +1,32 @@
 """``DynamicLossScaler``: dynamic loss scaling written from scratch, usable with or without Lightning.
 
-The scale policy lives in :mod:`~.policy` (host) and :mod:`~.device_policy` (device), the passes over gradients in
-:mod:`~.grads`, the per-step record and its lazy public view in :mod:`~.outcome` (all in
-``lightning_amp_plus.numerics``); this module ties them to optimizers with ``torch.amp.GradScaler``'s API.
+A :class:`~lightning_amp_plus.numerics.guard.GradientGuard` (check once, skip on inf/NaN, count, record) that also
+scales the loss and moves the scale: the scale policy is :mod:`~.policy` on the host and :mod:`~.device_policy` on the
+device (the fused path), the passes over gradients are :mod:`~.grads`, the skip limit :mod:`~.skips`. This module gives
+them ``torch.amp.GradScaler``'s API.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, overload
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor, nn  # noqa: F401 (nn: the docstring examples run in this module)
 from torch.optim import Optimizer
 
-from lightning_amp_plus.numerics.checks import (
-    TRACKER_MAX,
-    is_int,
-    read_count,
-    read_number,
-    real,
-    require,
-    show,
-)
+from lightning_amp_plus.numerics.checks import TRACKER_MAX, is_int, read_count, read_number, real, require, show
 from lightning_amp_plus.numerics.device_policy import DevicePolicy
 from lightning_amp_plus.numerics.float32 import f32
-from lightning_amp_plus.numerics.grads import clip_by_norm_, measure, unscale_and_measure_
-from lightning_amp_plus.numerics.outcome import StepOutcome, StepRecord
+from lightning_amp_plus.numerics.guard import GradientGuard
+from lightning_amp_plus.numerics.outcome import StepRecord, StepResult
+from lightning_amp_plus.numerics.pending import PendingReads, UpdateMark
 from lightning_amp_plus.numerics.policy import ScalePolicy
-from lightning_amp_plus.numerics.sharding import Sharding, local_views
+from lightning_amp_plus.numerics.skips import Stall
 
-__all__ = ["DynamicLossScaler", "StepOutcome"]
+__all__ = ["DynamicLossScaler"]
 
 _FLOAT32 = torch.finfo(torch.float32)
 _HYPERPARAMETERS = (
@@ -46,25 +38,11 @@ _HYPERPARAMETERS = (
     "max_scale",
     "max_consecutive_skips",
 )
-_NAMES_SHOWN = 10
 # Backoff factors this close to 1 round to no backoff at all in float32 (f32(s * b) == s).
 _BACKOFF_MAX = 1.0 - 2.0**-22
-# Fused-path steps whose flags may wait unread on the device, when no skip limit asks for them sooner.
-_PENDING_MAX = 256
-# Devices where the policy can run on the device (it needs float64).
-_DEVICE_POLICY_TYPES = ("cpu", "cuda")
-
-_TAKES_GRAD_SCALER: dict[type, bool] = {}
 
 
-@dataclass(eq=False)
-class _Update:
-    """An ``update()`` whose overflow flag was on the device: the records it combined."""
-
-    records: list[StepRecord]
-
-
-class DynamicLossScaler:
+class DynamicLossScaler(GradientGuard):
     """Dynamic loss scaling for fp16 mixed precision, with a floor, a ceiling, hysteresis and diagnostics.
 
     A drop-in for ``torch.amp.GradScaler``: the same constructor (``DynamicLossScaler("cuda", init_scale=1024)``,
@@ -73,8 +51,9 @@ class DynamicLossScaler:
 
     * The scale stays within ``[min_scale, max_scale]``: it can never reach 0, inf or a denormal, so the PyTorch failure
       where 170 overflows in a row take the scale to 0, the inverse to inf and the weights to NaN cannot happen.
-    * The overflow check is made on the *unscaled* gradients, in the same pass that yields the global gradient norm;
-      ``clip_grad_norm_`` and :attr:`last_grad_norm` reuse that norm instead of reading the gradients again.
+    * The overflow check is the global norm of the *unscaled* gradients, measured as ``torch.nn.utils.clip_grad_norm_``
+      measures it; :meth:`clip_grad_norm_` and :attr:`last_grad_norm` reuse that norm (clipping is bit-identical to
+      torch's) instead of reading the gradients again.
     * ``hysteresis`` overflows are tolerated before the scale backs off (1 behaves like GradScaler).
     * Skipped steps are counted (:attr:`skipped_steps`, :attr:`consecutive_skips`); the parameters whose gradients were
       non-finite are named on overflow steps (:attr:`last_overflow_params`), and only then, so normal steps pay nothing.
@@ -86,16 +65,18 @@ class DynamicLossScaler:
       (50 + 24 = 74 with the defaults), whatever the scale, the hysteresis or a loaded state.
     * Sparse gradients, float64 gradients and (unlike GradScaler) fp16 gradients are unscaled and checked.
 
-    **Two paths.** An optimizer with PyTorch's fused protocol (``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)``,
-    ``optimizer._step_supports_amp_scaling``) stepped without a prior :meth:`unscale_` takes the *fused path*: one
-    read-only pass measures the still-scaled gradients, the scale and the overflow flag go to the optimizer as
-    ``optimizer.grad_scale`` / ``optimizer.found_inf`` (its kernel divides and skips on the device), and the scale
-    policy advances on the device too: no host sync in the step. The flags are read back later, together (every
-    ``max_consecutive_skips - skips so far`` steps, or when a counter, :meth:`get_scale`, :meth:`found_inf` or an
-    :class:`StepOutcome` field is read), so counters are exact whenever they are read. Otherwise (clipping, any other
-    optimizer) the *unscale path*: :meth:`unscale_` multiplies, checks and measures in one pass and reads the norm
-    back, the step's one host sync; the policy runs on the host from that read, and the device copy of the scale is
-    written only when the policy changes it, so :meth:`update` never synchronises.
+    **Two paths** (see :mod:`~lightning_amp_plus.numerics.guard`). An optimizer with PyTorch's fused protocol
+    (``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)``) stepped without a prior :meth:`unscale_` takes the *fused
+    path*: the scale and the overflow flag go to the optimizer's kernel, and the scale policy advances on the device
+    too: no host sync in the step. The flags are read back later, together (when the skip limit could be reached, or
+    when a counter, :meth:`get_scale`, :meth:`found_inf` or a :class:`~.outcome.StepResult` field is read), so
+    counters are exact whenever they are read. Otherwise (clipping, any other optimizer) the *unscale path*:
+    :meth:`unscale_` unscales, checks and measures and reads the norm back, the step's one host sync; the policy runs
+    on the host from that read, and the device copy of the scale is written only when the policy changes it, so
+    :meth:`update` never synchronises.
+
+    State (besides :class:`~.guard.GradientGuard`'s): the scale policy, the device copy of the scale and where it
+    lives, the device policy and whether it is current.
 
     Args:
         device: the device type the loss lives on, as GradScaler's first argument (``"cuda"``, ``"cpu"``); the scale
@@ -151,6 +132,7 @@ class DynamicLossScaler:
         _check_factors(growth_factor, backoff_factor)
         _check_interval("growth_interval", growth_interval, "e.g. 2000")
         _check_interval("hysteresis", hysteresis, "(1 backs off on every overflow, like GradScaler)")
+        super().__init__(max_consecutive_skips)
         self._device = device_type
         self._enabled = enabled
         self._init_scale = float(init_scale)
@@ -163,42 +145,13 @@ class DynamicLossScaler:
             min_scale=float(min_scale),
             max_scale=float(max_scale),
         )
-        self.max_consecutive_skips = max_consecutive_skips
-        # A scale pinned at 1 needs no multiply at all: only the check runs (the bf16 case).
-        self._unit_scale = min_scale == max_scale == 1.0
-        # The device copy of the scale, which `scale()` multiplies by. On the unscale path it is written only when the
-        # host policy changes the scale; on the fused path the device policy advances it.
+        # The device copy of the scale, which `scale()` multiplies by: written from the host when the host policy
+        # changes it (unscale path), advanced by the device policy on the fused path. It moves to the first device
+        # a loss is scaled on.
         self._scale = torch.full((), self._policy.scale, dtype=torch.float32)
         self._placed = False
         self._device_policy: DevicePolicy | None = None
         self._device_policy_current = False
-        self._constants: dict[torch.device, tuple[Tensor, Tensor]] = {}
-        self._ring: Tensor | None = None
-        self._records: dict[int, StepRecord] = {}
-        self._outcomes: dict[int, StepOutcome] = {}
-        # Fused-path steps and updates the host has not replayed yet, in order; counters are as of before them.
-        self._pending: list[StepRecord | _Update] = []
-        self._unread = 0
-        self._stop: str | None = None
-        self._names: dict[int, str] = {}
-        self._skipped_steps = 0
-        self._consecutive_skips = 0
-        self._stuck_skips = 0
-        self._last_grad_norm: float | None = None
-        self._last_overflow: StepRecord | None = None
-        self._last_step_skipped = False
-        self._last_step_scale: float | None = None
-        self.process_group: Any = None
-        """Set to a ``torch.distributed`` process group to make every rank take the same skip decision: the overflow
-        flag (the norm, NaN turned into inf) is reduced with MAX across it, in the host read the unscale path makes
-        and on the device on the fused path (``MixedPrecisionPlugin`` sets it under DDP). The measured norm is then
-        the largest of the ranks' (equal on all ranks under DDP, which averages the gradients in backward);
-        :attr:`last_overflow_params` names this rank's non-finite parameters only."""
-        self.sharding: Sharding | None = None
-        """Set when the gradients are sharded across ranks (FSDP, FSDP2: ``MixedPrecisionPlugin`` sets it): each rank
-        measures its local shards, and one SUM all-reduce of the weighted local squared norms gives the global norm
-        and the overflow flag on every rank (see :mod:`lightning_amp_plus.numerics.sharding`). It replaces the MAX
-        reduction of :attr:`process_group`."""
 
     def __repr__(self) -> str:
         c = self._policy
@@ -268,21 +221,6 @@ class DynamicLossScaler:
         return self._policy.growth_interval
 
     @property
-    def max_consecutive_skips(self) -> int | None:
-        """Skipped steps in a row that backing off could not help after which :meth:`step` raises (``None``: never)."""
-        return self._max_consecutive_skips
-
-    @max_consecutive_skips.setter
-    def max_consecutive_skips(self, value: int | None) -> None:
-        require(
-            value is None or (is_int(value) and value >= 1),
-            "max_consecutive_skips",
-            value,
-            "must be an int >= 1, or None to never stop",
-        )
-        self._max_consecutive_skips = None if value is None else int(value)
-
-    @property
     def max_skips_in_a_row(self) -> int | None:
         """The most optimizer steps in a row that can be skipped before ``FloatingPointError`` (``None``: no limit).
 
@@ -295,55 +233,6 @@ class DynamicLossScaler:
         """
         limit = self.max_consecutive_skips
         return None if limit is None else limit + self._policy.backoffs_to_floor()
-
-    # -------------------------------------------------------------------------------------------------- counters
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped since the start (restored from checkpoints)."""
-        self._resolve()
-        return self._skipped_steps
-
-    @property
-    def consecutive_skips(self) -> int:
-        """Optimizer steps skipped in a row, up to now."""
-        self._resolve()
-        return self._consecutive_skips
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped."""
-        self._resolve()
-        return self._last_step_skipped
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global L2 norm of the unscaled gradients at the last check (before clipping; inf on overflow).
-
-        Taken by :meth:`unscale_` on the unscale path and by the read-only pass on the fused path (there the norm of
-        the scaled gradients divided by the scale).
-        """
-        self._resolve()
-        return self._last_grad_norm
-
-    @property
-    def last_step_scale(self) -> float | None:
-        """The scale the last checked gradients had been multiplied by."""
-        self._resolve()
-        return self._last_step_scale
-
-    @property
-    def last_overflow_params(self) -> list[str]:
-        """Names of the parameters whose gradients were non-finite at the last skipped step."""
-        self._resolve()
-        return [] if self._last_overflow is None else list(self._last_overflow.names())
-
-    def set_parameter_names(self, named_parameters: nn.Module | Iterable[tuple[str, Tensor]]) -> None:
-        """Tell the scaler what to call each parameter in diagnostics (a module or ``named_parameters()`` pairs).
-
-        Without names, parameters are called by their place in the optimizer, e.g. ``param_groups[0][3]``.
-        """
-        pairs = named_parameters.named_parameters() if isinstance(named_parameters, nn.Module) else named_parameters
-        self._names = {id(param): name for name, param in pairs}
 
     # ---------------------------------------------------------------------------------------------------- the step
     @overload
@@ -370,8 +259,6 @@ class DynamicLossScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            if self._unit_scale:
-                return outputs
             self._place(outputs.device)
             scale = (
                 self._scale
@@ -387,178 +274,44 @@ class DynamicLossScaler:
             f"`DynamicLossScaler.scale(outputs)` takes a tensor or an iterable of tensors, got {outputs!r}."
         )
 
+    # ------------------------------------------------------------------- enabled=False: GradScaler's pass-through
     def unscale_(self, optimizer: Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale, in place, check them and measure their norm.
-
-        Call it before clipping or inspecting gradients; :meth:`step` calls it if you did not (for an optimizer
-        without the fused protocol). A second call before :meth:`update` does nothing, so the gradients are unscaled
-        exactly once. This is the step's one host sync. Sparse gradients are unscaled in place (fp16 ones coalesced
-        first, replacing ``.grad``, as GradScaler does).
-        """
-        if not self._enabled:
-            return
-        record = self._record(optimizer)
-        if record.stepped:
-            raise RuntimeError("`DynamicLossScaler.unscale_()` was called after `step()`: call `update()` first.")
-        if not record.checked:
-            self._unscale(optimizer, record, _params_with_grads(optimizer))
-
-    def _unscale(self, optimizer: Optimizer, record: StepRecord, params: list[Tensor]) -> None:
-        """:meth:`unscale_` of ``params``, the optimizer's parameters with gradients (gathered once by the caller)."""
-        # The host policy must be current for the inverse scale: read any fused-path flags first (only when the two
-        # paths mix, e.g. clipping on some steps only).
-        self._resolve()
-        record.params = params
-        grads = [p.grad for p in record.params if p.grad is not None]
-        if grads:
-            self._place(grads[0].device)
-        record.scale = self._policy.scale
-        # 1 / scale rounded once to float32, as GradScaler computes it.
-        inv_scale = None if self._unit_scale else f32(1.0 / record.scale)
-        with torch.no_grad():
-            squared = unscale_and_measure_(self._local(grads), inv_scale, self._scale.device)
-            total = self._total(squared, grads)
-            # The step's one host sync: the skip decision. The square root of a float32 taken in float64 and rounded
-            # once is the float32 square root (correctly rounded either way), without another tensor op.
-            norm = f32(math.sqrt(total.item()))
-        record.checked = True
-        record.grad_norm = norm
-        record.overflow = not math.isfinite(norm)
-        record.nonfinite = self._nonfinite_names(optimizer, record.params, squared) if record.overflow else []
-        self._last_step_scale = record.scale
-        self._last_grad_norm = norm
+        """:meth:`GradientGuard.unscale_ <.guard.GradientGuard.unscale_>`; disabled, nothing."""
+        if self._enabled:
+            super().unscale_(optimizer)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> float:
-        """Clip the optimizer's gradients to a global L2 norm of ``max_norm``, reusing the norm ``unscale_`` measured.
+        """:meth:`GradientGuard.clip_grad_norm_ <.guard.GradientGuard.clip_grad_norm_>`.
 
-        Unscales first if needed. On an overflow step nothing is multiplied (the step will be skipped). With
-        ``enabled=False``, ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters.
-
-        Returns:
-            The global norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it.
+        Disabled, ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters.
         """
+        if self._enabled:
+            return super().clip_grad_norm_(optimizer, max_norm)
         limit = real(max_norm)
         if limit is None or limit <= 0:
             raise ValueError(f"`clip_grad_norm_(max_norm={show(max_norm)})` must be a finite number > 0.")
-        if not self._enabled:
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            return float(torch.nn.utils.clip_grad_norm_(params, limit))
-        self.unscale_(optimizer)
-        record = self._record(optimizer)
-        assert record.grad_norm is not None
-        if not record.overflow:
-            clip_by_norm_(self._local([p.grad for p in record.params if p.grad is not None]), record.grad_norm, limit)
-        return record.grad_norm
-
-    def grad_norm(self, optimizer: Optimizer) -> float | None:
-        """The unscaled global gradient norm of ``optimizer`` this step, or ``None`` before it was measured."""
-        record = self._records.get(id(optimizer))
-        if record is not None and record.stepped and record.overflow is None:
-            self._resolve()
-        return None if record is None else record.grad_norm
-
-    def found_inf(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s gradients were found non-finite since the last ``update()`` (False if unchecked).
-
-        On the fused path this reads the pending flags (see :class:`StepOutcome`); use :meth:`outcome` to ask later.
-        """
-        record = self._records.get(id(optimizer))
-        if record is None:
-            return False
-        if record.stepped and record.overflow is None:
-            self._resolve()
-        return bool(record.overflow)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        return float(torch.nn.utils.clip_grad_norm_(params, limit))
 
     def uses_fused_path(self, optimizer: Optimizer) -> bool:
-        """Whether :meth:`step` would now take the fused path for ``optimizer``: no host sync, the optimizer unscales.
-
-        That is, with its gradients as they are and no :meth:`unscale_` yet this iteration, the optimizer would unscale
-        and skip inside its own kernel. On the fused path the gradients stay scaled in memory until that kernel: code
-        that must see them unscaled (a hook, clipping) calls :meth:`unscale_` first, which makes the step take the
-        unscale path.
-
-        Example:
-            >>> w = nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
-            >>> scaler = DynamicLossScaler()
-            >>> fused, foreach = torch.optim.AdamW([w], fused=True), torch.optim.AdamW([w])
-            >>> scaler.uses_fused_path(fused), scaler.uses_fused_path(foreach)
-            (True, False)
-        """
-        record = self._records.get(id(optimizer))
-        if not self._enabled or (record is not None and (record.checked or record.stepped)):
-            return False
-        return self._takes_fused_path(optimizer, _params_with_grads(optimizer))
-
-    def outcome(self, optimizer: Optimizer) -> StepOutcome | None:
-        """The :class:`StepOutcome` of ``optimizer``'s latest :meth:`step` (``None`` before its first).
-
-        It stays valid after :meth:`update`; on the fused path its fields resolve on first access.
-        """
-        return self._outcomes.get(id(optimizer))
+        """:meth:`GradientGuard.uses_fused_path <.guard.GradientGuard.uses_fused_path>`; disabled, False."""
+        return self._enabled and super().uses_fused_path(optimizer)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """Step ``optimizer`` unless its gradients held inf/NaN; a skipped step leaves parameters and state untouched.
+        """:meth:`GradientGuard.step <.guard.GradientGuard.step>`; disabled, ``optimizer.step(*args, **kwargs)``."""
+        if self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        self._results[id(optimizer)] = StepResult.known(skipped=False, scale=1.0, grad_norm=None)
+        return optimizer.step(*args, **kwargs)
 
-        Fused optimizers (``_step_supports_amp_scaling``) stepped without a prior :meth:`unscale_` get the scale and
-        the overflow flag as ``optimizer.grad_scale`` / ``optimizer.found_inf`` and skip on the device (see the class
-        docstring); :meth:`outcome` tells later whether the step was skipped. The unscale path skips on the host.
-
-        Returns:
-            What ``optimizer.step`` returned, or ``None`` when the step was skipped on the host.
-
-        Raises:
-            FloatingPointError: the skip limit was reached (on the fused path also from :meth:`update`).
-        """
-        if not self._enabled:
-            self._outcomes[id(optimizer)] = StepOutcome(StepRecord(overflow=False, scale=1.0), self._resolve)
-            return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs or args:
-            raise ValueError(
-                "`DynamicLossScaler.step(optimizer, closure=...)`: closures are not supported, because the gradients "
-                "must be checked before the step. Run the closure yourself, then call `step(optimizer)`."
-            )
-        record = self._record(optimizer)
-        if record.stepped:
-            raise RuntimeError(
-                "`DynamicLossScaler.step()` was already called for this optimizer: call `update()` first."
-            )
-        if not record.checked:
-            params = _params_with_grads(optimizer)
-            if self._takes_fused_path(optimizer, params):
-                self._raise_stop()
-                record.params = params
-                return self._step_fused(optimizer, record, kwargs)
-            self._unscale(optimizer, record, params)
-        self._raise_stop()
-        record.stepped = True
-        self._outcomes[id(optimizer)] = StepOutcome(record, self._resolve)
-        diagnosis = self._settle(record)
-        if diagnosis is not None:
-            # The iteration ends here: an update() after a caught error does not advance the policy for it (as on the
-            # fused path, which learns of the limit in update()).
-            del self._records[id(optimizer)]
-            raise FloatingPointError(diagnosis)
-        if record.overflow:
-            return None
-        return optimizer.step(**kwargs)
-
-    def discard(self, optimizer: Optimizer) -> None:
-        """Forget what :meth:`unscale_` recorded for ``optimizer`` since the last :meth:`update`, without stepping.
-
-        For a step that does not happen after all (in Lightning, a ``training_step`` that returned ``None``): the next
-        :meth:`unscale_` of ``optimizer`` unscales and checks its gradients afresh, and :meth:`update` does not count
-        the discarded check. A step already taken is not forgotten.
-
-        Example:
-            >>> w = nn.Parameter(torch.ones(1)); opt = torch.optim.SGD([w], lr=0.1)
-            >>> scaler = DynamicLossScaler(init_scale=4.0)
-            >>> scaler.unscale_(opt); scaler.discard(opt)
-            >>> scaler.scale(w.sum()).backward(); scaler.unscale_(opt); w.grad
-            tensor([1.])
-        """
-        record = self._records.get(id(optimizer))
-        if record is not None and not record.stepped:
-            del self._records[id(optimizer)]
+    def step_with(
+        self, optimizer: Optimizer, apply: Callable[[], Any], *, fused_kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        """:meth:`GradientGuard.step_with <.guard.GradientGuard.step_with>`; disabled, ``apply()``."""
+        if self._enabled:
+            return super().step_with(optimizer, apply, fused_kwargs=fused_kwargs)
+        self._results[id(optimizer)] = StepResult.known(skipped=False, scale=1.0, grad_norm=None)
+        return apply()
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Advance the scale once for everything stepped since the last call; no host sync.
@@ -572,12 +325,10 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return
-        records = [record for record in self._records.values() if record.checked or record.stepped]
-        self._records = {}
-        self._raise_stop()  # a limit a lazy read found since step(): this iteration's update does not happen
+        records = self._close_iteration()
         if new_scale is not None:
             value = _new_scale_value(new_scale)
-            self._resolve()
+            self._sync()
             self._set_scale(min(max(value, self.min_scale), self.max_scale))
             return
         if not records:
@@ -585,11 +336,8 @@ class DynamicLossScaler:
         if not self._pending and all(record.overflow is not None for record in records):
             self._update_on_host(any(bool(record.overflow) for record in records))
             return
-        self._pending.append(_Update(records))
-        if self._due():
-            self._resolve()
-            self._raise_stop()
-        elif not self._policy.fixed:
+        self._pending.add_update(records)
+        if not self._read_if_due() and not self._policy.fixed:
             self._update_on_device(records)
 
     def get_scale(self) -> float:
@@ -599,7 +347,7 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return 1.0
-        self._resolve()
+        self._sync()
         return self._policy.scale
 
     # ---------------------------------------------------------------------------------------------- checkpointing
@@ -610,7 +358,7 @@ class DynamicLossScaler:
         """
         if not self._enabled:
             return {}
-        self._resolve()
+        self._sync()
         return {
             "scale": self._policy.scale,
             "growth_factor": self._policy.growth_factor,
@@ -622,10 +370,7 @@ class DynamicLossScaler:
             "min_scale": self._policy.min_scale,
             "max_scale": self._policy.max_scale,
             "max_consecutive_skips": self.max_consecutive_skips,
-            "skipped_steps": self._skipped_steps,
-            "consecutive_skips": self._consecutive_skips,
-            # Skips in a row that backing off could not help (the name dates from when only skips at the floor did).
-            "_floor_skips": self._stuck_skips,
+            **self._skips.counters(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -669,204 +414,65 @@ class DynamicLossScaler:
                 stacklevel=2,
             )
             scale = min(max(scale, self.min_scale), self.max_scale)
-        self._pending, self._unread, self._records, self._stop = [], 0, {}, None
+        self._pending, self._passes, self._stop = PendingReads(), {}, None
         self._set_scale(scale)
         # A tracker at or past its end acts as the end: g >= interval - 1 grows at the next clean step either way.
         self._policy.growth_tracker = min(counters["_growth_tracker"], self.growth_interval - 1)
         self._policy.hysteresis_tracker = min(counters["_hysteresis_tracker"], self.hysteresis)
-        self._skipped_steps = counters["skipped_steps"]
-        self._consecutive_skips = counters["consecutive_skips"]
-        self._stuck_skips = counters["_floor_skips"]
+        self._skips.restore(counters)
         self._warn_if_hyperparameters_differ(state_dict)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle between iterations only (as GradScaler): device tensors and references to parameters are dropped."""
-        if self._enabled:
-            self._resolve()
-            if self._records:
-                raise RuntimeError(
-                    "A DynamicLossScaler can be pickled only between iterations: before `scale()` or after `update()`."
-                )
-        state = self.__dict__.copy()
-        if self._last_overflow is not None:
-            names = self._last_overflow.names()
-            state["_last_overflow"] = StepRecord(overflow=True, nonfinite=list(names))
-        # Parameter ids, outcomes (which hold parameters) and device tensors do not mean anything in another process.
-        for key in ("_names", "_outcomes", "_constants"):
-            state[key] = {}
-        for key in ("_scale", "_device_policy", "_ring"):
-            state[key] = None
-        state["_device_policy_current"] = state["_placed"] = False
+        if not self._enabled:
+            return self.__dict__.copy()
+        state = super().__getstate__()
+        state.update(_scale=None, _device_policy=None, _device_policy_current=False, _placed=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._scale = torch.full((), self._policy.scale, dtype=torch.float32)
 
-    # ----------------------------------------------------------------------------------------- the two step paths
-    def _takes_fused_path(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
-        """Whether ``optimizer`` can unscale and skip inside its own kernel, safely, this step."""
-        inner = _innermost(optimizer)
-        if not getattr(inner, "_step_supports_amp_scaling", False) or _takes_grad_scaler(inner):
-            return False
-        if not params or any(p.grad is None or p.grad.is_sparse for p in params):
-            return False
-        if params[0].device.type not in _DEVICE_POLICY_TYPES:
-            return False
-        # torch's fused SGD with momentum creates its buffers uninitialised on its first step and keeps them even when
-        # found_inf skips it: that first step takes the unscale path (skipped on the host, no buffers made).
-        return not _sgd_buffers_missing(optimizer)
+    # ------------------------------------------------------------------------------------- what GradientGuard asks
+    def _host_scale(self) -> float | None:
+        return self._policy.scale
 
-    def _step_fused(self, optimizer: Optimizer, record: StepRecord, kwargs: dict[str, Any]) -> Any:
-        grads = [p.grad for p in record.params if p.grad is not None]
-        self._place(grads[0].device)
-        zero, one = self._flag_constants(self._scale.device)
-        with torch.no_grad():
-            norms = measure(self._local(grads), self._scale.device)
-            if self.sharding is not None:
-                total = self._total(norms.square(), grads).sqrt()
-            else:
-                total = torch.linalg.vector_norm(norms)
-                if self.process_group is not None:
-                    total = self._reduce_across_ranks(total)
-            # Exactly 1.0 or 0.0: the CPU kernels skip only on found_inf == 1.0.
-            flag = torch.where(torch.isfinite(total), zero, one)
-        record.flag, record.total, record.norms, record.stepped = flag, total, norms, True
-        record.namer = lambda r: self._nonfinite_names(optimizer, r.params, r.norms)
-        self._copy_to_host(record)
-        self._pending.append(record)
-        self._unread += 1
-        self._outcomes[id(optimizer)] = StepOutcome(record, self._resolve)
-        # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step. They
-        # go on the optimizer that runs the kernel: a wrapper (Lightning's LightningOptimizer) would keep them itself.
-        inner = _innermost(optimizer)
-        user_scale = getattr(inner, "grad_scale", None)
-        scale = self._scale if user_scale is None else self._scale * user_scale
-        inner.grad_scale = user_scale if self._unit_scale else scale  # type: ignore[attr-defined]
-        inner.found_inf = flag  # type: ignore[attr-defined]
-        try:
-            return optimizer.step(**kwargs)
-        finally:
-            del inner.grad_scale  # type: ignore[attr-defined]
-            del inner.found_inf  # type: ignore[attr-defined]
+    def _device_scale(self, device: torch.device) -> Tensor | None:
+        self._place(device)
+        return self._scale
 
-    def _copy_to_host(self, record: StepRecord) -> None:
-        """On CUDA: start copying the step's flag and norm to pinned memory, so a later read waits for nothing else."""
-        assert record.flag is not None and record.total is not None
-        if record.flag.device.type != "cuda":
-            return
-        if self._ring is None:
-            self._ring = torch.empty(_PENDING_MAX + 16, 2, dtype=torch.float32, pin_memory=True)
-        slot = self._unread
-        if slot >= len(self._ring):
-            return  # read the slow way
-        self._ring[slot].copy_(torch.stack([record.flag, record.total]), non_blocking=True)
-        record.slot, record.event = slot, torch.cuda.Event()  # type: ignore[no-untyped-call]
-        record.event.record()
+    def _backs_off(self) -> bool:
+        return self._policy.backs_off_on_overflow()
 
-    def _update_on_host(self, found_inf: bool) -> None:
-        if self._policy.fixed:
-            return
-        before = self._policy.scale
-        self._policy.update(found_inf=found_inf)
-        self._device_policy_current = False
-        if self._policy.scale != before:
-            self._scale.fill_(self._policy.scale)  # no host sync: a host value written to the device
+    def _replay_update(self, mark: UpdateMark) -> None:
+        if not self._policy.fixed:
+            self._policy.update(any(bool(record.overflow) for record in mark.records))
 
-    def _update_on_device(self, records: list[StepRecord]) -> None:
-        flags = [record.flag for record in records if record.overflow is None and record.flag is not None]
-        if any(record.overflow for record in records):  # an overflow the host already knows
-            found = self._flag_constants(self._scale.device)[1]
-        elif len(flags) == 1:
-            found = flags[0]
-        else:
-            found = torch.stack([flag.to(self._scale.device) for flag in flags]).amax()
-        if self._device_policy is None or self._device_policy.device != self._scale.device:
-            self._device_policy = DevicePolicy(self._policy, self._scale)
-        elif not self._device_policy_current:
-            self._device_policy.load(self._policy)
-        self._device_policy_current = True
-        self._device_policy.advance(self._scale, found, self._policy)
-
-    # ---------------------------------------------------------------------------------- reading the device lazily
-    def _due(self) -> bool:
-        """Whether the pending flags must be read now: the skip limit could be reached at this step."""
-        limit = self.max_consecutive_skips
-        if self._unread >= _PENDING_MAX:
-            return True
-        return limit is not None and self._unread >= limit - self._stuck_skips
-
-    def _resolve(self) -> None:
-        """Read every pending flag (one host read) and replay the policy and the counters on the host, in order."""
-        if not self._pending:
-            return
-        self._read_flags()
-        pending, self._pending, self._unread = self._pending, [], 0
-        for event in pending:
-            if isinstance(event, _Update):
-                if self._stop is None and not self._policy.fixed:
-                    self._policy.update(any(bool(record.overflow) for record in event.records))
-                continue
-            # The host policy is now where the device policy was when this step ran.
-            event.scale = self._policy.scale
-            scaled = event.scaled_norm if event.scaled_norm is not None else math.nan
-            event.grad_norm = scaled if self._unit_scale else f32(scaled * f32(1.0 / event.scale))
-            if self._stop is None:  # after the limit is reached nothing more is counted, as on the unscale path
-                self._last_step_scale, self._last_grad_norm = event.scale, event.grad_norm
-                self._stop = self._settle(event)
+    def _after_sync(self) -> None:
         # The device copies follow the host: it replayed the same steps (or stopped at the limit, or replayed one
         # update the device has not run yet).
         self._scale.fill_(self._policy.scale)
         self._device_policy_current = False
 
-    def _read_flags(self) -> None:
-        unread = [event for event in self._pending if isinstance(event, StepRecord) and event.overflow is None]
-        if not unread:
-            return
-        ringed = [record for record in unread if record.event is not None]
-        if ringed and self._ring is not None:
-            last = ringed[-1].event
-            assert last is not None
-            last.synchronize()  # waits until the last check has run, not for the optimizer kernels after it
-            rows = self._ring[: max(record.slot or 0 for record in ringed) + 1].tolist()
-            for record in ringed:
-                assert record.slot is not None
-                record.overflow, record.scaled_norm = rows[record.slot][0] != 0.0, rows[record.slot][1]
-        rest = [record for record in unread if record.event is None]
-        if rest:
-            values = torch.stack([t for r in rest for t in (r.flag, r.total) if t is not None]).tolist()
-            for index, record in enumerate(rest):
-                record.overflow, record.scaled_norm = values[2 * index] != 0.0, values[2 * index + 1]
-        for record in unread:
-            record.flag, record.total, record.event, record.slot = None, None, None, None
-            if not record.overflow:
-                record.norms, record.nonfinite = None, []
+    def _stall(self, record: StepRecord) -> Stall:
+        scale = record.scale if record.scale is not None else self._policy.scale
+        if scale <= self.min_scale:
+            return Stall(
+                f"with the loss scale at its floor (scale={scale:g}, min_scale={self.min_scale:g})",
+                "The model produces inf/NaN gradients even at the smallest loss scale allowed.",
+                "check the inputs and the loss for inf/NaN, lower the learning rate, clip gradients, train in "
+                "'bf16-mixed', or lower `min_scale`",
+            )
+        return Stall(
+            f"without the loss scale coming down (scale={scale:g}, backoff_factor={self._policy.backoff_factor:g}, "
+            f"hysteresis={self.hysteresis})",
+            "The scale cannot back off to where the gradients fit: the hysteresis or the backoff factor hold it.",
+            "lower `hysteresis`, use a `backoff_factor` below 1 (e.g. 0.5), or a lower `init_scale`",
+        )
 
-    def _settle(self, record: StepRecord) -> str | None:
-        """Count a step whose outcome is known, in order; return the diagnosis if it reaches the skip limit."""
-        self._last_step_skipped = bool(record.overflow)
-        if not record.overflow:
-            self._consecutive_skips = 0
-            self._stuck_skips = 0
-            return None
-        self._skipped_steps += 1
-        self._consecutive_skips += 1
-        self._last_overflow = record
-        if not self._policy.backs_off_on_overflow():
-            self._stuck_skips += 1
-        limit = self.max_consecutive_skips
-        if limit is not None and self._stuck_skips >= limit:
-            return self._diagnosis(record)
-        return None
-
-    def _raise_stop(self) -> None:
-        if self._stop is not None:
-            diagnosis, self._stop = self._stop, None
-            raise FloatingPointError(diagnosis)
-
-    # ---------------------------------------------------------------------------------------------------- private
     def _reconfigure(self, **constants: Any) -> None:
-        self._resolve()
+        self._sync()
         for name, value in constants.items():
             setattr(self._policy, name, value)
         self._device_policy_current = False
@@ -881,35 +487,6 @@ class DynamicLossScaler:
                 stacklevel=3,
             )
 
-    def _local(self, grads: list[Tensor]) -> list[Tensor]:
-        """The gradients to measure and change in place: this rank's shards when sharded, else the gradients."""
-        return grads if self.sharding is None else local_views(grads)
-
-    def _total(self, squared: Tensor, grads: list[Tensor]) -> Tensor:
-        """The squared global norm from the per-gradient squared norms: summed here, then across ranks if need be."""
-        if self.sharding is not None:
-            weighted = (squared * self.sharding.weights(grads, squared.device)).sum()
-            return self.sharding.all_reduce_(weighted)
-        return squared.sum() if self.process_group is None else self._reduce_across_ranks(squared.sum())
-
-    def _reduce_across_ranks(self, total: Tensor) -> Tensor:
-        # MAX of the norms, with NaN first turned into inf (MAX with NaN is not defined the same way by every
-        # backend): any rank's overflow becomes every rank's, and equal norms stay themselves.
-        flag = torch.where(torch.isfinite(total), total, torch.full_like(total, math.inf))
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        return flag
-
-    def _flag_constants(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        if device not in self._constants:
-            self._constants[device] = (
-                torch.zeros((), dtype=torch.float32, device=device),
-                torch.ones((), dtype=torch.float32, device=device),
-            )
-        return self._constants[device]
-
-    def _record(self, optimizer: Optimizer) -> StepRecord:
-        return self._records.setdefault(id(optimizer), StepRecord())
-
     def _place(self, device: torch.device) -> None:
         """Move the scale to the first device it is used on; later uses elsewhere take copies."""
         if not self._placed:
@@ -922,49 +499,29 @@ class DynamicLossScaler:
         self._scale.fill_(self._policy.scale)
         self._device_policy_current = False
 
-    def _nonfinite_names(self, optimizer: Optimizer, params: list[Tensor], norms: Tensor | None) -> list[str]:
-        if norms is None:
-            return []
-        bad = set(torch.nonzero(~torch.isfinite(norms)).flatten().tolist())
-        places = {
-            id(p): f"param_groups[{g}][{i}]"
-            for g, grp in enumerate(optimizer.param_groups)
-            for i, p in enumerate(grp["params"])
-        }
-        return [self._names.get(id(p), places.get(id(p), "?")) for index, p in enumerate(params) if index in bad]
+    def _update_on_host(self, found_inf: bool) -> None:
+        if self._policy.fixed:
+            return
+        before = self._policy.scale
+        self._policy.update(found_inf=found_inf)
+        self._device_policy_current = False
+        if self._policy.scale != before:
+            self._scale.fill_(self._policy.scale)  # no host sync: a host value written to the device
 
-    def _diagnosis(self, record: StepRecord) -> str:
-        names = record.names()
-        if names:
-            shown = ", ".join(names[:_NAMES_SHOWN]) + (
-                f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
-            )
-            where = f"non-finite gradients in {len(names)} parameter(s): {shown}"
+    def _update_on_device(self, records: list[StepRecord]) -> None:
+        flags = self._pending.flags_of(records)
+        if any(record.overflow for record in records):  # an overflow the host already knows
+            found = self._flag_constants(self._scale.device)[1]
+        elif len(flags) == 1:
+            found = flags[0]
         else:
-            where = "no single gradient is non-finite, but their global L2 norm overflows float32"
-        scale = record.scale if record.scale is not None else self._policy.scale
-        skipped = f"{self._stuck_skips} optimizer steps in a row were skipped"
-        if self._unit_scale:
-            what, why = f"{skipped} for non-finite gradients", "The model produces inf/NaN gradients."
-            fix = "check the inputs and the loss for inf/NaN, lower the learning rate, or clip gradients"
-        elif scale <= self.min_scale:
-            what = f"{skipped} with the loss scale at its floor (scale={scale:g}, min_scale={self.min_scale:g})"
-            why = "The model produces inf/NaN gradients even at the smallest loss scale allowed."
-            fix = (
-                "check the inputs and the loss for inf/NaN, lower the learning rate, clip gradients, train in "
-                "'bf16-mixed', or lower `min_scale`"
-            )
-        else:
-            what = (
-                f"{skipped} without the loss scale coming down (scale={scale:g}, "
-                f"backoff_factor={self._policy.backoff_factor:g}, hysteresis={self.hysteresis})"
-            )
-            why = "The scale cannot back off to where the gradients fit: the hysteresis or the backoff factor hold it."
-            fix = "lower `hysteresis`, use a `backoff_factor` below 1 (e.g. 0.5), or a lower `init_scale`"
-        return (
-            f"Training cannot make progress: {what} ({self._skipped_steps} skipped in all); {where}. {why} Try: {fix}. "
-            f"To keep going anyway, raise `max_consecutive_skips` (now {self.max_consecutive_skips}) or set it to None."
-        )
+            found = torch.stack([flag.to(self._scale.device) for flag in flags]).amax()
+        if self._device_policy is None or self._device_policy.device != self._scale.device:
+            self._device_policy = DevicePolicy(self._policy, self._scale)
+        elif not self._device_policy_current:
+            self._device_policy.load(self._policy)
+        self._device_policy_current = True
+        self._device_policy.advance(self._scale, found, self._policy)
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
@@ -1057,45 +614,3 @@ def _new_scale_value(new_scale: float | Tensor) -> float:
     require(number is not None and number > 0, "new_scale", value, "must be a finite number > 0", "update")
     assert number is not None
     return number
-
-
-def _params_with_grads(optimizer: Optimizer) -> list[Tensor]:
-    params = []
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if param.grad is None:
-                continue
-            if param.grad.is_sparse and param.grad.dtype == torch.float16:
-                # As GradScaler: duplicates of scaled fp16 values may overflow when summed, so check them summed.
-                param.grad = param.grad.coalesce()
-            params.append(param)
-    return params
-
-
-def _innermost(optimizer: Optimizer) -> Optimizer:
-    """The optimizer inside wrappers that expose it as ``.optimizer`` (as Lightning's ``LightningOptimizer`` does)."""
-    for _ in range(8):
-        inner = getattr(optimizer, "optimizer", None)
-        if not isinstance(inner, Optimizer) or inner is optimizer:
-            break
-        optimizer = inner
-    return optimizer
-
-
-def _takes_grad_scaler(optimizer: Optimizer) -> bool:
-    """Optimizers of GradScaler's old protocol (``step(grad_scaler=...)``) expect GradScaler itself: not fused here."""
-    kind = type(optimizer)
-    if kind not in _TAKES_GRAD_SCALER:
-        _TAKES_GRAD_SCALER[kind] = "grad_scaler" in inspect.signature(optimizer.step).parameters
-    return _TAKES_GRAD_SCALER[kind]
-
-
-def _sgd_buffers_missing(optimizer: Optimizer) -> bool:
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    state = optimizer.state
-    return any(
-        group["momentum"] != 0 and param.grad is not None and state.get(param, {}).get("momentum_buffer") is None
-        for group in optimizer.param_groups
-        for param in group["params"]
-    )

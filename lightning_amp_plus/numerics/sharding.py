@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Sharding", "holders", "is_dtensor", "local_view", "local_views"]
+__all__ = ["Sharding", "holders", "is_dtensor", "local_view", "local_views", "max_across_ranks"]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -100,3 +101,14 @@ class Sharding:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(squared_total, op=dist.ReduceOp.SUM, group=self.group)
         return squared_total
+
+
+def max_across_ranks(norm: Tensor, group: Any) -> Tensor:
+    """The largest of the ranks' norms, NaN first turned into inf (MAX with NaN differs between backends).
+
+    For replicated gradients (DDP): every rank then takes the same skip decision, also when a fault shows on one rank
+    only; equal norms stay themselves.
+    """
+    flag = torch.where(torch.isfinite(norm), norm, torch.full_like(norm, math.inf))
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return flag

@@ -1,0 +1,215 @@
+"""What every front end (the Trainer's and Fabric's plugins) shares: its options' checks, its guard, its ranks.
+
+No framework hooks here: the checks a plugin makes of its arguments (each error names the plugin, the argument, the
+value and the fix), the guard a precision gets, and how the guard learns where the gradients live across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from lightning.fabric.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_amp_plus.numerics.checks import check_bool, check_int
+from lightning_amp_plus.numerics.guard import GradientGuard, NonfiniteGuard
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
+
+__all__ = [
+    "DEFAULT",
+    "DEFAULT_SKIPS",
+    "PRECISIONS",
+    "check_bool",
+    "check_device",
+    "check_device_supports",
+    "check_module_types",
+    "check_precision",
+    "check_skip_limit",
+    "default_device",
+    "guard_for",
+    "refuse_removed_options",
+    "refuse_sharded_master_weights",
+    "scaler_for",
+    "set_up_ranks",
+    "sharding_of",
+    "user_names",
+    "world_size",
+]
+
+PRECISIONS = ("16-mixed", "bf16-mixed")
+# The default of `max_consecutive_skips`. With a scaler passed too, any other value must equal the scaler's own limit.
+DEFAULT_SKIPS = 50
+# Asks `scaler_for` for a default scaler (None, given to a setter, is refused for fp16).
+DEFAULT: Any = object()
+
+
+def guard_for(
+    name: str, precision: str, scaler: object, skip_nonfinite: bool, limit: int | None
+) -> GradientGuard | None:
+    """The guard a plugin starts with: the fp16 scaler (given or default), the bf16 check, or none."""
+    if scaler is not None or precision == "16-mixed":
+        where = f"`{name}(precision={precision!r}, scaler={scaler!r})`"
+        given = DEFAULT if scaler is None else scaler
+        return scaler_for(precision, given, limit, limit != DEFAULT_SKIPS, where)
+    return NonfiniteGuard(limit) if skip_nonfinite else None
+
+
+def check_precision(name: str, precision: object) -> None:
+    """Refuse a precision other than the two mixed ones, naming the plugin."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed'.")
+
+
+def check_device(name: str, device: object) -> str | None:
+    """The autocast device type (``"cuda:1"`` is ``"cuda"``), or ``None`` to take the model's."""
+    if device is None:
+        return None
+    if not isinstance(device, str) or device.split(":")[0] not in ("cuda", "cpu", "mps"):
+        raise ValueError(f"`{name}(device={device!r})` is not supported: use 'cuda', 'cpu', 'mps' or None (auto).")
+    return device.split(":")[0]
+
+
+def check_device_supports(name: str, device: str, precision: str) -> None:
+    """Refuse bf16 on a GPU without it; warn about fp16 autocast on CPU (correct, but slow)."""
+    if device == "cuda" and precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        raise ValueError(
+            f"`{name}(precision='bf16-mixed')`: this GPU ({torch.cuda.get_device_name()}) does not support bfloat16. "
+            "Use precision='16-mixed'."
+        )
+    if device == "cpu" and precision == "16-mixed":
+        rank_zero_warn(
+            f"{name}('16-mixed') on CPU: fp16 autocast is correct there but slow (many times slower than fp32 on most "
+            "CPUs). For speed on CPU prefer 'bf16-mixed' or 32-bit.",
+            category=UserWarning,
+        )
+
+
+def check_skip_limit(name: str, value: object) -> None:
+    """``max_consecutive_skips``: an int >= 1, or ``None``."""
+    if value is not None:
+        hint = " (skipped steps in a row before training stops with a diagnosis), or None to never stop"
+        check_int(name, "max_consecutive_skips", value, minimum=1, hint=hint)
+
+
+def check_module_types(name: str, option: str, value: object) -> tuple[type[nn.Module], ...]:
+    """A sequence of ``nn.Module`` subclasses (``None``: empty), as a tuple."""
+    if value is None:
+        return ()
+    if (
+        isinstance(value, (str, bytes))
+        or not isinstance(value, Sequence)
+        or not all(isinstance(t, type) and issubclass(t, nn.Module) for t in value)
+    ):
+        raise TypeError(f"`{name}({option}={value!r})` must be a sequence of nn.Module subclasses, e.g. (MyHead,).")
+    return tuple(value)
+
+
+def scaler_for(precision: str, scaler: object, limit: int | None, limit_given: bool, where: str) -> GradientGuard:
+    """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``_DEFAULT``."""
+    if precision == "bf16-mixed":
+        raise ValueError(
+            f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
+        )
+    if scaler is DEFAULT:
+        return DynamicLossScaler(max_consecutive_skips=limit)
+    if not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(
+            f"{where}: fp16 needs a lightning_amp_plus.DynamicLossScaler. To migrate from torch.amp.GradScaler, "
+            "load its state: `DynamicLossScaler().load_state_dict(grad_scaler.state_dict())`."
+        )
+    if limit_given and scaler.max_consecutive_skips != limit:
+        raise ValueError(
+            f"{where}: the scaler's max_consecutive_skips={scaler.max_consecutive_skips!r} differs from "
+            f"MixedPrecisionPlugin(max_consecutive_skips={limit!r}): set the limit in one place, e.g. "
+            f"DynamicLossScaler(..., max_consecutive_skips={limit!r})."
+        )
+    return scaler
+
+
+def set_up_ranks(guard: GradientGuard, params: Sequence[Tensor], wrapper: nn.Module | None = None) -> None:
+    """One skip decision for all ranks: a sharded sum under FSDP/FSDP2, a MAX over the world under DDP."""
+    sharding = sharding_of(params, wrapper)
+    if sharding is not None:
+        # Each rank holds a shard: one weighted SUM over the world gives the norm and the skip decision.
+        guard.sharding = sharding
+    elif world_size() > 1 and guard.process_group is None:
+        # An overflow seen on one rank only (a rank-local fault, unused parameters) must skip the step everywhere,
+        # or the replicas drift apart.
+        guard.process_group = torch.distributed.group.WORLD
+
+
+def refuse_sharded_master_weights(name: str, module: nn.Module) -> None:
+    """Under FSDP2 the FP32 shards are the masters already: half compute is FSDP2's own policy."""
+    sharded = [param_name for param_name, p in module.named_parameters() if _is_dtensor(p)]
+    if sharded:
+        raise ValueError(
+            f"{name}(master_weights=True) does not apply to sharded (DTensor) parameters ({', '.join(sharded[:3])}, "
+            "...): under ModelParallelStrategy the FP32 shards are the master weights. Compute in half through "
+            "FSDP2's own policy instead: `fully_shard(module, mp_policy=plugin.mp_policy)` in configure_model, with "
+            "master_weights=False."
+        )
+
+
+def user_names(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """Parameter names as the user wrote them (without FSDP's wrapper prefixes), for diagnostics."""
+    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in module.named_parameters()]
+
+
+def world_size() -> int:
+    """The number of processes (1 without torch.distributed)."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def default_device() -> str:
+    """The autocast device when none was given or found."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _is_dtensor(param: Tensor) -> bool:
+    return is_dtensor(param) or is_dtensor(param.data)
+
+
+def sharding_of(params: Sequence[Tensor], wrapper: nn.Module | None = None) -> Sharding | None:
+    """How the gradients are spread over the ranks: ``None`` unless sharded (FSDP's flat shards, FSDP2's DTensors).
+
+    Args:
+        params: the parameters (the model's, or an optimizer's).
+        wrapper: the model as the strategy wrapped it, if known (the Trainer's plugins see it; Fabric's do not).
+    """
+    world = world_size()
+    if any(_is_dtensor(param) for param in params):
+        # FSDP2: DTensor gradients say where they live; a parameter left as a plain tensor is on every rank.
+        return Sharding(replicas=world)
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    if isinstance(wrapper, FullyShardedDataParallel):
+        # FSDP1: a FULL_SHARD / SHARD_GRAD_OP shard lives on one rank, a NO_SHARD one on all, a HYBRID_SHARD one on
+        # every replica of the shard group.
+        if wrapper.sharding_strategy == ShardingStrategy.NO_SHARD:
+            return Sharding(replicas=world)
+        group = wrapper.process_group
+        return Sharding(replicas=world if group is None else world // group.size())
+    if any(getattr(param, "_fsdp_flattened", False) or getattr(param, "_is_flat_param", False) for param in params):
+        # FSDP1 seen from its parameters only (Fabric): taken as fully sharded over the world, its default.
+        return Sharding(replicas=1)
+    return None
+
+
+def refuse_removed_options(name: str, half_modules: object, fp32_grad_accumulation: object) -> None:
+    """Refuse the options of 0.1's master weights, saying what replaced them."""
+    if half_modules is not None:
+        raise ValueError(
+            f"`{name}(half_modules={half_modules!r})` was removed in 0.2: master weights now compute through "
+            "autocast's per-use casts, which find every layer autocast runs in half (transformers' Conv1D "
+            "included) and keep the FP32 weights visible to your hooks. Drop half_modules; to keep modules in FP32, "
+            "use keep_fp32=(...)."
+        )
+    if fp32_grad_accumulation is not True:
+        raise ValueError(
+            f"`{name}(fp32_grad_accumulation={fp32_grad_accumulation!r})` was removed in 0.2: gradients are always "
+            "accumulated in FP32 now, as under Lightning's *-mixed. Drop fp32_grad_accumulation."
+        )

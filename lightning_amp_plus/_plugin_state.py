@@ -1,0 +1,117 @@
+"""The precision plugins' checkpoint state: what is saved, and the checks made when it is loaded back.
+
+One format for every front end (the Trainer's and Fabric's plugins): ``{"format", "precision", "master_weights",
+"held_scheduler_steps", "scaler", ...}`` in plain Python values and tensors (Lightning loads checkpoints with
+``weights_only=True``). A ``torch.amp.GradScaler`` state (Lightning's own plugin, or a plain loop migrating) is read
+too. Every refusal names the key and the way out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from lightning.fabric.utilities import rank_zero_warn
+
+from lightning_amp_plus.numerics.checks import COUNTER_MAX
+from lightning_amp_plus.numerics.engine import StepEngine
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+
+__all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
+
+FORMAT = "lightning_amp_plus/1"
+
+
+def save_state(engine: StepEngine, precision: str, master_weights: bool, **extra: Any) -> dict[str, Any]:
+    """The plugin's state: ``{}`` when nothing is checked (nothing to restore)."""
+    if engine.guard is None and not extra:
+        return {}
+    return {"format": FORMAT, "precision": precision, "master_weights": master_weights, **engine.state_dict(), **extra}
+
+
+def is_grad_scaler_state(state: dict[str, Any]) -> bool:
+    """Whether ``state`` is a bare ``GradScaler`` (or ``DynamicLossScaler``) state rather than a plugin state."""
+    return "format" not in state and "scale" in state
+
+
+def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mapping[str, object]) -> dict[str, Any]:
+    """Check a saved plugin state against this run's ``settings`` and load it into ``engine``.
+
+    Args:
+        state: what the checkpoint holds under the plugin's key.
+        engine: the engine to restore.
+        owner: the plugin's class name (its checkpoint key), for the messages.
+        settings: this run's settings that must equal the saved ones (``precision``, ``master_weights``...).
+
+    Returns:
+        The state, checked (for the plugin's own extra keys).
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"The checkpoint's {owner} state is a {type(state).__name__}, not a dict.")
+    if is_grad_scaler_state(state):
+        load_grad_scaler_state(state, engine, owner)
+        return state
+    if state.get("format") != FORMAT or "scaler" not in state or "precision" not in state:
+        raise ValueError(_unreadable(state, owner))
+    for key, mine in settings.items():
+        _check_saved_setting(state, key, mine, owner)
+    held = _saved_count(state, "held_scheduler_steps", owner)
+    engine.load_state_dict(state["scaler"], held)
+    return state
+
+
+def load_grad_scaler_state(state: object, engine: StepEngine, key: str) -> None:
+    """Load a ``GradScaler`` state found under ``key`` into the engine's scaler (ignored, with a warning, for bf16)."""
+    if not isinstance(engine.guard, DynamicLossScaler):
+        rank_zero_warn(f"The checkpoint holds an fp16 GradScaler state under {key!r}; bf16 uses no scaler: ignored.")
+        return
+    if not isinstance(state, dict):
+        raise TypeError(
+            f"The checkpoint's {key!r} entry is a {type(state).__name__}, not a GradScaler state dict. Remove "
+            "that key from the checkpoint to start with a fresh scaler."
+        )
+    engine.guard.load_state_dict(state)
+
+
+def _check_saved_setting(state: dict[str, Any], key: str, mine: object, owner: str) -> None:
+    if key not in state:
+        return  # written before the setting was saved: nothing to compare
+    saved = state[key]
+    if type(saved) is not type(mine) or saved != mine:
+        # As the constructor reads: the precision positionally, the other settings by keyword.
+        then, now = (repr(saved), repr(mine)) if key == "precision" else (f"{key}={saved!r}", f"{key}={mine!r}")
+        name = owner.split(".")[-1]
+        raise ValueError(
+            f"The checkpoint was trained with {name}({then}), this run uses {now}. Resume with {key}={saved!r}, or "
+            f"delete checkpoint['{owner}'] to start this setting with a fresh scaler."
+        )
+
+
+def _unreadable(state: dict[str, Any], owner: str) -> str:
+    keys = sorted(map(str, state))  # keys of any type: the message must not fail itself
+    if "format" not in state:
+        problem = f"has keys {keys} and no 'format'"
+    elif state["format"] != FORMAT:
+        problem = f"has format={state['format']!r}, which this version does not read ('{FORMAT}')"
+    else:
+        missing = [key for key in ("precision", "scaler") if key not in state]
+        problem = f"lacks {', '.join(repr(key) for key in missing)}"
+    return (
+        f"The checkpoint's {owner} state {problem}: expected a '{FORMAT}' state with 'precision' and 'scaler', or a "
+        "GradScaler state. Remove that key from the checkpoint to start with a fresh scaler."
+    )
+
+
+def _saved_count(state: dict[str, Any], key: str, owner: str) -> int:
+    value = state.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            f"The checkpoint's {owner} state holds {key}={value!r} ({type(value).__name__}); expected an int >= 0. "
+            f"Remove checkpoint['{owner}'] to start with a fresh scaler."
+        )
+    if not 0 <= value <= COUNTER_MAX:
+        raise ValueError(
+            f"The checkpoint's {owner} state holds {key}={value}; expected an int in [0, 2**62]. "
+            f"Remove checkpoint['{owner}'] to start with a fresh scaler."
+        )
+    return value

@@ -1,0 +1,136 @@
+"""``FSDPMixedPrecisionPlugin`` for Lightning Fabric's ``FSDPStrategy``, by composition over the Fabric plugin.
+
+Fabric's ``FSDPStrategy`` accepts only ``FSDPPrecision`` plugins, and Fabric's ``FSDPPrecision`` refuses any other
+scaler and autocasts on CUDA only. This plugin is an ``FSDPPrecision`` that holds a
+:class:`~lightning_amp_plus.fabric.MixedPrecisionPlugin` and hands it the step's hooks (one implementation of Fabric's
+step); ``FSDPPrecision`` keeps FP32 inputs and initialisation, no conversion, and FSDP's own mixed-precision
+parameters for ``master_weights=True``.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.precision import FSDPPrecision
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_amp_plus._front_end import DEFAULT_SKIPS
+from lightning_amp_plus.fabric.precision import MixedPrecisionPlugin
+from lightning_amp_plus.numerics.engine import EngineReadings
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+
+__all__ = ["FSDPMixedPrecisionPlugin"]
+
+
+class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
+    """Mixed precision under Fabric's ``FSDPStrategy`` with our scaler: ``L.Fabric(strategy="fsdp", plugins=[this])``.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type; ``None`` takes the model's.
+        scaler: the loss scaler for ``"16-mixed"`` (default: a :class:`~lightning_amp_plus.DynamicLossScaler`).
+        skip_nonfinite: with bf16, skip steps with non-finite gradients (fp16 always does).
+        max_consecutive_skips: skipped steps in a row that stop training with a diagnosis.
+        master_weights: FSDP's own mixed-precision parameters, ``MixedPrecision(param_dtype=half,
+            reduce_dtype=torch.float32)``: the FP32 shards are the masters, forward and backward run on all-gathered
+            half copies. Without it the FP32 shards compute under autocast.
+
+    The global norm and the skip decision come from one SUM all-reduce over the world of the ranks' shards (taken as
+    fully sharded, FSDP's default; under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the
+    skip decision stays right). Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
+
+    Example:
+        >>> plugin = FSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
+        >>> plugin.mixed_precision_config.param_dtype, isinstance(plugin, FSDPPrecision)
+        (torch.bfloat16, True)
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
+        device: str | None = None,
+        scaler: DynamicLossScaler | None = None,
+        *,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: int | None = DEFAULT_SKIPS,
+        master_weights: bool = False,
+    ) -> None:
+        # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
+        self._step = MixedPrecisionPlugin(
+            precision,
+            device,
+            scaler,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+            master_weights=master_weights,  # widens a half-built model before FSDP wraps it; FSDP makes the copies
+        )
+        self.engine = self._step.engine
+        self.precision = precision
+        self.master_weights = master_weights
+        # FSDPPrecision's own hooks (inputs, tensor and module initialisation) read this: FP32 in the mixed modes.
+        self._desired_input_dtype = torch.float32
+
+    def __repr__(self) -> str:
+        return f"lightning_amp_plus.fabric.FSDPMixedPrecisionPlugin({self.precision!r})"
+
+    @property  # type: ignore[override]
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` for bf16)."""
+        return self._step.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: DynamicLossScaler | None) -> None:
+        self._step.scaler = scaler
+
+    @property
+    def min_scale(self) -> float | None:
+        """The scaler's floor (``None`` without a scaler)."""
+        return self._step.min_scale
+
+    @property
+    def mixed_precision_config(self) -> FSDPMixedPrecision | None:  # type: ignore[override]
+        """What ``FSDPStrategy`` wraps the model with: with master weights, half parameters and FP32 reduction."""
+        if not self.master_weights:
+            return None
+        return FSDPMixedPrecision(param_dtype=self._step.half_dtype, reduce_dtype=torch.float32)
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return self._step.convert_module(module)  # names, the device; FSDP keeps the FP32 shards
+
+    @override
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return self._step.forward_context()
+
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self._step.backward(tensor, model, *args, **kwargs)
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        self._step.unscale_gradients(optimizer)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        return self._step.main_params(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        return self._step.optimizer_step(optimizer, **kwargs)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self._step.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._step.load_state_dict(state_dict)
+
+    @override
+    def teardown(self) -> None:
+        self._step.teardown()

@@ -1,0 +1,253 @@
+"""``MixedPrecisionPlugin`` for Lightning Fabric: the Fabric face of the step engine.
+
+A ``lightning.fabric.plugins.precision.Precision`` that adapts Fabric's hooks to
+:class:`~lightning_amp_plus.numerics.engine.StepEngine`. Fabric's contract differs from the Trainer's, and each hook
+here says how it meets it:
+
+* no ``connect``: the plugin never sees the optimizers at set-up, so it learns parameter names from the modules
+  ``fabric.setup`` converts, and where the gradients live (ranks, shards) at the first step;
+* ``fabric.backward(loss)`` calls :meth:`backward`, which must scale the loss itself (what ``pre_backward`` returns is
+  ignored);
+* ``fabric.clip_gradients`` calls :meth:`unscale_gradients` (the check happens there, before any clipping) and then
+  clips :meth:`main_params` with torch's functions: on a step found non-finite, nothing to clip is returned, so the
+  default ``error_if_nonfinite=True`` does not raise and the step is skipped;
+* ``optimizer.step()`` reaches :meth:`optimizer_step` with no closure, no model, no end-of-batch hook: the loss scale
+  moves after every optimizer step, as Fabric's own ``MixedPrecision`` does.
+
+State owned here: the options, the autocast device, the parameter names seen, the hooks keeping ``keep_fp32`` modules
+in FP32, whether the ranks are set up, and a zero-gradient stand-in per device (:meth:`main_params`). The engine owns
+the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import LBFGS, Optimizer
+from torch.utils.hooks import RemovableHandle
+from typing_extensions import override
+
+from lightning_amp_plus import _plugin_state
+from lightning_amp_plus._front_end import (
+    DEFAULT_SKIPS,
+    check_bool,
+    check_device,
+    check_device_supports,
+    check_module_types,
+    check_precision,
+    check_skip_limit,
+    default_device,
+    guard_for,
+    refuse_sharded_master_weights,
+    scaler_for,
+    set_up_ranks,
+    user_names,
+)
+from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
+from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
+from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
+from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+
+__all__ = ["MixedPrecisionPlugin"]
+
+
+class MixedPrecisionPlugin(EngineReadings, Precision):
+    """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
+
+    ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
+    under bf16 autocast. An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state
+    untouched) and counted, in both precisions, with fused optimizers too, and whether or not you clip. Parameters equal
+    those of Fabric's own ``MixedPrecision`` with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and
+    unscale; the check made once, before any clipping). Inputs and outputs are converted as Fabric's plugin converts
+    them.
+
+    Args:
+        precision: ``"16-mixed"`` or ``"bf16-mixed"``.
+        device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the model's at setup.
+        scaler: the loss scaler for ``"16-mixed"`` (a default one if ``None``); not for bf16.
+        skip_nonfinite: with ``"bf16-mixed"``, skip steps whose gradients are non-finite (on by default).
+        max_consecutive_skips: skipped steps in a row after which training stops with a diagnosis (``None``: never).
+        master_weights: widen a model built or loaded in fp16/bf16 to FP32 masters at ``fabric.setup`` (see the
+            Trainer plugin).
+        keep_fp32: module types whose forward runs in FP32 (autocast off inside them).
+
+    Attributes:
+        scaler: the loss scaler (``None`` for bf16); save it with your checkpoint by putting the plugin in the state:
+            ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": plugin})``.
+        engine: the step engine; ``skipped_steps``, ``last_step_skipped``, ``last_grad_norm``,
+            ``last_overflow_params`` and ``recent_steps`` read it.
+
+    Example:
+        >>> import lightning as L
+        >>> plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu")
+        >>> fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        >>> model, optimizer = fabric.setup(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters()))
+        >>> fabric.backward(model(torch.ones(2, 4)).sum()); optimizer.step()
+        >>> plugin.skipped_steps, plugin.last_step_skipped
+        (0, False)
+    """
+
+    def __init__(
+        self,
+        precision: Literal["16-mixed", "bf16-mixed"] = "16-mixed",
+        device: str | None = None,
+        scaler: DynamicLossScaler | None = None,
+        *,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: int | None = DEFAULT_SKIPS,
+        master_weights: bool = False,
+        keep_fp32: Sequence[type[nn.Module]] | None = None,
+    ) -> None:
+        name = type(self).__name__
+        check_precision(name, precision)
+        self.device = check_device(name, device)
+        check_bool(name, "skip_nonfinite", skip_nonfinite)
+        check_bool(name, "master_weights", master_weights)
+        check_skip_limit(name, max_consecutive_skips)
+        self.precision = precision
+        self.master_weights = master_weights
+        self.keep_fp32 = check_module_types(name, "keep_fp32", keep_fp32)
+        self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
+        self.engine = StepEngine(guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit))
+        self._desired_input_dtype = self.half_dtype
+        self._names: list[tuple[str, Tensor]] = []
+        self._fp32_hooks: list[RemovableHandle] = []
+        self._ranks_known = False
+        self._stand_ins: dict[torch.device, Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r})"
+
+    def __str__(self) -> str:
+        # What Lightning's Trainer prints when this plugin is given to it ("Found invalid type for plugin {plugin}").
+        return f"{self!r}, a Lightning Fabric plugin (for the Trainer, use lightning_amp_plus.MixedPrecisionPlugin)"
+
+    # ------------------------------------------------------------------------------------------------ settings
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
+        guard = self.engine.guard
+        return guard if isinstance(guard, DynamicLossScaler) else None
+
+    @scaler.setter
+    def scaler(self, scaler: DynamicLossScaler | None) -> None:
+        if scaler is None and self.precision == "bf16-mixed":
+            return
+        where = f"`{type(self).__name__}.scaler = {scaler!r}`"
+        limit = self._skip_limit
+        self.engine.guard = scaler_for(self.precision, scaler, limit, limit != DEFAULT_SKIPS, where)
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The autocast dtype: fp16 or bf16."""
+        return torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
+
+    @property
+    def min_scale(self) -> float | None:
+        """The scaler's floor (``None`` without a scaler)."""
+        return None if self.scaler is None else self.scaler.min_scale
+
+    # -------------------------------------------------------------------------------------------------- set-up
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.master_weights:
+            refuse_sharded_master_weights(type(self).__name__, module)
+            widen_to_fp32_(half_parameters(module))  # FP32 masters, before Fabric moves and wraps the model
+        if self.device is None:
+            param = next(module.parameters(), None)
+            self.device = param.device.type if param is not None and param.device.type != "meta" else None
+        self._names.extend(user_names(module))
+        self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, self.device or default_device()))
+        return module
+
+    def _set_up(self, optimizer: Optimizer) -> None:
+        """What Fabric never tells a plugin at set-up, learnt at the first step: the ranks, the names, the device."""
+        if isinstance(optimizer, LBFGS) and self.engine.guard is not None:
+            raise TypeError(
+                f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
+                "closure inside `step()`, where gradients cannot be checked or unscaled first."
+            )
+        guard = self.engine.guard
+        if self._ranks_known or guard is None:
+            return
+        self._ranks_known = True
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if self.device is None and params:
+            self.device = params[0].device.type
+        check_device_supports(type(self).__name__, self.device or default_device(), self.precision)
+        guard.set_parameter_names(self._names)
+        set_up_ranks(guard, params)
+
+    # ---------------------------------------------------------------------------------------------- autocast
+    @override
+    def forward_context(self) -> AbstractContextManager[Any]:
+        return torch.autocast(self.device or default_device(), dtype=self.half_dtype)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        # As Fabric's MixedPrecision: floating inputs in the half dtype.
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._desired_input_dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
+
+    # -------------------------------------------------------------------------------------------------- step
+    @override
+    def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self.engine.scale_loss(tensor).backward(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        # Fabric's clip_gradients calls this first: unscaled, checked and measured here, before any clipping (clipping
+        # by value would turn inf into the clip value). Fused optimizers too: their step then takes the unscale path.
+        self._set_up(optimizer)
+        self.engine.prepare(optimizer)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        # What Fabric clips. On a step found non-finite (it will be skipped) a stand-in with a zero gradient: torch's
+        # clip_grad_norm_ (error_if_nonfinite=True by default) and clip_grad_value_ (which fails on an empty list) then
+        # have nothing to clip, and the real gradients are left as they are.
+        params = self.engine.main_params(optimizer)
+        if params or not self.engine.found_inf(optimizer):
+            return params
+        device = next(p.device for group in optimizer.param_groups for p in group["params"])
+        return [self._stand_in(device)]
+
+    def _stand_in(self, device: torch.device) -> Tensor:
+        if device not in self._stand_ins:
+            stand_in = torch.zeros(1, device=device, requires_grad=True)
+            stand_in.grad = torch.zeros(1, device=device)
+            self._stand_ins[device] = stand_in
+        return self._stand_ins[device]
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._set_up(optimizer)
+        output = self.engine.step(optimizer, **kwargs)
+        self.engine.end_batch()  # Fabric has no batch: the scale moves after each optimizer step, as Fabric's does
+        return output
+
+    # --------------------------------------------------------------------------------------------- checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return _plugin_state.save_state(self.engine, self.precision, self.master_weights)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        settings = {"precision": self.precision, "master_weights": self.master_weights}
+        _plugin_state.load_state(state_dict, self.engine, owner=type(self).__name__, settings=settings)
+
+    @override
+    def teardown(self) -> None:
+        for handle in self._fp32_hooks:
+            handle.remove()
+        self._fp32_hooks = []

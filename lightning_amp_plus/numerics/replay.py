@@ -1,0 +1,216 @@
+"""Replaying one batch to look inside it, and leaving nothing of the replay behind.
+
+The autopsy and the headroom both rerun a batch's forward and backward with hooks attached. A replay has to draw the
+same random numbers as the step did (capture an :class:`RngState` at the start of the batch), must not accumulate into
+``.grad`` (its gradients come from ``torch.autograd.grad``, which also fires no DDP gradient hook), and must leave the
+model as it found it: :func:`untouched` puts back the RNG streams, the buffers (BatchNorm running statistics), the
+``training`` flags and the ``.grad`` attributes. Parameters are never written.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = [
+    "AutocastProbe",
+    "Context",
+    "RngState",
+    "all_finite",
+    "device_type",
+    "floating_tensors",
+    "replay",
+    "untouched",
+]
+
+Context = Callable[[], AbstractContextManager[Any]]
+"""A factory of the context a replay's forward runs in, e.g. ``lambda: torch.autocast("cpu", dtype=torch.float16)``."""
+
+
+@dataclass(frozen=True, eq=False)
+class RngState:
+    """The random-number state of one moment, to replay a batch with the random numbers its step drew.
+
+    It holds torch's CPU generator and the current CUDA device's generator (when CUDA is initialised) and, if asked for,
+    Python's ``random`` and NumPy's global generator (when NumPy is loaded).
+
+    Capture one at the start of each batch, right before its forward (about 3 us): a replay restores it so that
+    dropout draws the same masks as the step did. Python's and NumPy's generators are left out of that capture by
+    default (they cost 7 and 20 us more, and a forward rarely draws from them: data augmentation happens in the
+    DataLoader); the replay machinery captures them, with the rest, before it starts and puts them back afterwards, so
+    no stream advances either way. Other CUDA devices' generators and ``torch.Generator`` objects of your own are not
+    captured.
+
+    Example:
+        >>> state = RngState.capture()
+        >>> first = torch.rand(3)
+        >>> state.restore()
+        >>> torch.equal(first, torch.rand(3))
+        True
+    """
+
+    cpu: Tensor
+    cuda: tuple[tuple[int, Tensor], ...]
+    python: tuple[Any, ...] | None = None
+    numpy: Any = None
+
+    @classmethod
+    def capture(cls, *, host: bool = False) -> RngState:
+        """The state now; with ``host=True`` also Python's and NumPy's generators (NumPy's if it has been imported)."""
+        cuda: tuple[tuple[int, Tensor], ...] = ()
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            index = torch.cuda.current_device()
+            cuda = ((index, torch.cuda.get_rng_state(index)),)
+        if not host:
+            return cls(torch.get_rng_state(), cuda)
+        np = sys.modules.get("numpy")  # never imported here: numerics/ depends on torch only
+        return cls(torch.get_rng_state(), cuda, random.getstate(), None if np is None else np.random.get_state())
+
+    def restore(self) -> None:
+        """Set every generator captured back to this state (the state itself is not changed: restore it again)."""
+        torch.set_rng_state(self.cpu)
+        for index, state in self.cuda:
+            torch.cuda.set_rng_state(state, index)
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+
+@contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Run the body, then put back what a replay of ``model`` may have changed.
+
+    That is: the RNG streams (NumPy's included), every buffer (the same tensor objects, with their values), the
+    ``training`` flags and each parameter's ``.grad`` (the same tensor, or ``None``).
+
+    Refuses to run under ``torch.inference_mode`` (a replay needs autograd).
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.5))
+        >>> before = net[1].running_mean.clone(), torch.get_rng_state()
+        >>> with untouched(net):
+        ...     _ = net(torch.randn(4, 2)); _ = net.eval()
+        >>> torch.equal(net[1].running_mean, before[0]), torch.equal(torch.get_rng_state(), before[1]), net.training
+        (True, True, True)
+    """
+    if torch.is_inference_mode_enabled():
+        raise RuntimeError(
+            "A replay needs autograd, but it was called under `torch.inference_mode()`: call it outside inference mode."
+        )
+    rng = RngState.capture(host=True)
+    buffers = [
+        (module, name, buffer, buffer.detach().clone())
+        for module in model.modules()
+        for name, buffer in module.named_buffers(recurse=False)
+    ]
+    flags = [(module, module.training) for module in model.modules()]
+    grads = [(param, param.grad) for param in model.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for module, name, buffer, saved in buffers:
+                setattr(module, name, buffer)  # a forward may have replaced the buffer object
+                buffer.copy_(saved)
+        for module, training in flags:
+            module.training = training
+        for param, grad in grads:
+            if param.grad is not grad:
+                param.grad = grad
+        rng.restore()
+
+
+def device_type(model: nn.Module) -> str:
+    """The device type of the model's first parameter or buffer (``"cpu"`` for a model with neither)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device.type
+    return "cpu"
+
+
+def floating_tensors(value: object) -> Iterator[Tensor]:
+    """The floating-point tensors in ``value``, looking into tuples, lists and dicts (a model output may be any)."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point():
+            yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from floating_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from floating_tensors(item)
+
+
+def all_finite(tensors: Sequence[Tensor | None]) -> bool:
+    """Whether every tensor given holds only finite values (one host read; ``None`` entries are skipped)."""
+    checks = [torch.isfinite(t).all() for t in tensors if t is not None]
+    return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
+
+
+def replay(
+    run: Callable[[], Tensor], context: Context, scale: float, params: Sequence[Tensor]
+) -> tuple[Tensor, tuple[Tensor | None, ...] | None]:
+    """Run the forward in ``context``, then the gradients of ``loss * scale`` with respect to ``params``.
+
+    The loss is scaled as ``DynamicLossScaler.scale`` does (times a float32 scale tensor; left as it is at scale 1).
+    Returns the loss and the gradients (``None`` for a parameter the loss does not depend on), or the loss and
+    ``None`` when the loss is not finite (its gradients would say nothing). Restore the RNG state before calling.
+
+    Raises:
+        TypeError: ``run()`` returned something other than a scalar tensor with a gradient.
+    """
+    with torch.enable_grad():
+        with context():
+            loss = run()
+        _check_loss(loss)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return loss, None
+        scaled = loss if scale == 1.0 else loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
+        grads = torch.autograd.grad(scaled, list(params), allow_unused=True)
+    return loss, grads
+
+
+def _check_loss(loss: object) -> None:
+    if not isinstance(loss, Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        shown = type(loss).__name__ if not isinstance(loss, Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        grad = "" if not isinstance(loss, Tensor) or loss.requires_grad else " that does not require grad"
+        raise TypeError(
+            f"`run()` returned {shown}{grad}: it must rerun the batch's forward and return its scalar loss tensor "
+            "(e.g. `lambda: module.training_step(batch, batch_idx)`, returning the loss, with logging suppressed)."
+        )
+
+
+class AutocastProbe:
+    """Forward pre-hooks on every module that note whether autocast was on for ``device`` inside a replay.
+
+    A replay meant to run in FP32 (autocast off) is not FP32 if ``run`` enters autocast itself (Fabric's wrapped
+    module does): the probe tells.
+
+    Mutable state: ``seen`` (autocast was on in some module's forward), ``handles`` (the hooks, while attached).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.seen = False
+        self.handles: list[RemovableHandle] = []
+
+    def attach(self, model: nn.Module) -> None:
+        """Hook every module of ``model``."""
+        self.handles = [module.register_forward_pre_hook(self._probe) for module in model.modules()]
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def _probe(self, module: nn.Module, args: Any) -> None:
+        self.seen = self.seen or torch.is_autocast_enabled(self.device)
