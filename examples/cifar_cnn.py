@@ -16,6 +16,8 @@ of flat options instead of a ``--trainer.plugins`` class path with a nested scal
 The Trainer's own precision settings win when given: ``--trainer.precision 16-mixed`` (Lightning's built-in
 ``MixedPrecision``) or a precision plugin in ``--trainer.plugins`` replaces ``--amp``'s plugin, with the monitor still
 attached; changing ``--amp.*`` plugin settings as well stops with a message saying which flag to use.
+The run's config is saved in the logger's run folder (``lightning_logs/version_N/config.yaml``), never over an
+existing file, and not at all when the logger is off (``RunFolderConfig`` below; the synthetic configs turn it off).
 Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
 """
 
@@ -24,10 +26,30 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_amp_plus.cli import AmpSettings
 from lightning_amp_plus.models import CifarCNN
+
+
+class RunFolderConfig(SaveConfigCallback):
+    """Saves the run's config in the run's own folder, and nowhere else: never over a file that is already there.
+
+    With a logger, that folder is the logger's fresh ``version_N`` (``lightning_logs/version_3/config.yaml``), and an
+    existing config there stops the run instead of being replaced (Lightning's ``overwrite=False``). Without a logger
+    (``--trainer.logger false``, as the synthetic configs set) a run has no folder of its own, and Lightning would
+    write ``config.yaml`` into ``default_root_dir``, the working folder by default, over whatever file has that name
+    there: the config is then not saved (``--print_config`` shows it).
+    """
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.logger is None:
+            if not self.already_saved:
+                rank_zero_info("Config not saved: no logger, so the run has no folder of its own (--print_config).")
+                self.already_saved = True
+            return
+        super().setup(trainer, pl_module, stage)
 
 
 class AmpLightningCLI(LightningCLI):
@@ -56,7 +78,7 @@ def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:
         pl.LightningDataModule,
         subclass_mode_data=True,
         seed_everything_default=0,
-        save_config_kwargs={"overwrite": True},
+        save_config_callback=RunFolderConfig,  # in the run's own folder; never over an existing file
         args=args,
         run=run,
         auto_configure_optimizers=False,  # CifarCNN configures its own optimizer and schedule

@@ -2,7 +2,7 @@
 
 The public names load on first use (PEP 562): ``import lightning_amp_plus`` alone imports neither torch nor Lightning,
 so the ``amp-plus`` command answers ``--help`` at once. ``from lightning_amp_plus import MixedPrecisionPlugin`` works
-as usual.
+as usual. A new public name is one line in ``_HOMES`` (where it lives) and one in ``__all__``.
 
 Example:
     >>> from lightning_amp_plus import DynamicLossScaler
@@ -12,7 +12,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -30,15 +29,20 @@ _HOMES = {
     "MixedPrecisionMonitor": "lightning_amp_plus.monitor",
     "MixedPrecisionPlugin": "lightning_amp_plus.precision",
 }
+"""Each public name and the module it is loaded from on first use."""
 
 
 def __getattr__(name: str) -> Any:
     if name in _HOMES:
-        value = getattr(importlib.import_module(_HOMES[name]), name)
+        from importlib import import_module  # here: the package's namespace holds only its public names
+
+        value = getattr(import_module(_HOMES[name]), name)
         globals()[name] = value  # found once; later lookups do not come here
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_HOMES])
+    """The public names and the module's dunder attributes (``__version__``...), not the helpers used to load them."""
+    dunders = [name for name in globals() if name.startswith("__") and name.endswith("__")]
+    return sorted({*__all__, *dunders})

@@ -288,11 +288,14 @@ def _batches(records: Sequence[StepRecord]) -> list[_Batch]:
 def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
     """Draw the run into a PNG at ``path`` (exactly there; missing folders are created) and return the path.
 
-    One panel per series that was measured: the loss scale (only with a loss scaler), the skipped steps so far
-    (only when a step was skipped), the gradient norm, and memory (on a zero-based axis, so that a flat line looks
-    flat; the points are the steps it was sampled on). Skipped steps are marked in red in every panel. What was
-    not measured is said in the subtitle instead of being drawn on an empty axis. With several optimizers per batch,
-    a batch is one point: its first scale, the global gradient norm over the optimizers, the largest memory.
+    One panel per series that was measured: the loss scale (only with a loss scaler; ticks on powers of two from its
+    highest to its lowest value), the skipped steps so far (only when a step was skipped), the gradient norm, and
+    memory (on a zero-based axis, so that a flat line looks flat). Above each panel: its last value and, when the
+    series does not have a drawn value on every step, why (recorded on some steps only: memory on the steps
+    Lightning logs; not finite on skipped steps). Skipped steps are marked in red in every panel. What was not
+    measured is said in the subtitle instead of being drawn on an empty axis. The x axis is whole steps. With
+    several optimizers per batch, a batch is one point: its first scale, the global gradient norm over the
+    optimizers, the largest memory.
     """
     return _save(_run_figure(history), path)
 
@@ -337,11 +340,24 @@ def _run_figure(history: AmpHistory) -> Any:
         _draw_series(axis, xs, values, kind, skipped_steps)
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
-    if skipped_steps:
-        axes[0].legend(loc="best", fontsize=8)
+    if skipped_steps:  # outside the panels: with many skips, no spot inside is free of lines
+        figure.legend(*axes[0].get_legend_handles_labels(), loc="outside upper right", fontsize=8)
     axes[-1].set_xlabel("optimizer step (global step)")
-    axes[-1].set_xlim(xs[0] - 0.5, xs[-1] + 0.5)  # the first and last steps' marks stay in view
+    _step_axis(axes[-1], xs)
     return figure
+
+
+def _step_axis(axis: Any, xs: list[int]) -> None:
+    """Whole steps only, from the first step to the last, with a margin that keeps their marks in view."""
+    from matplotlib.ticker import FixedLocator
+
+    span = xs[-1] - xs[0]
+    margin = max(0.03 * span, 0.15) if span else 0.5
+    axis.set_xlim(xs[0] - margin, xs[-1] + margin)
+    if span < 5:  # a short run: a tick on each step, not on 0.25, 0.5...
+        axis.xaxis.set_major_locator(FixedLocator(list(range(xs[0], xs[-1] + 1))))
+    else:
+        axis.xaxis.set_major_locator(_integer_locator())
 
 
 def _not_measured(label: str, kind: str) -> str:
@@ -351,39 +367,75 @@ def _not_measured(label: str, kind: str) -> str:
 
 
 def _draw_series(axis: Any, xs: list[int], values: list[float | None], kind: str, skipped: list[int]) -> None:
-    usable = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]  # None: not sampled on that step
+    usable = [(x, v) for x, v in zip(xs, values, strict=True) if v is not None]  # None: not recorded on that step
     # A value that cannot be drawn (inf/NaN, or <= 0 on a log axis) breaks the line there instead of bridging it.
     drawn = [(x, v if math.isfinite(v) and (v > 0 or not kind.startswith("log")) else math.nan) for x, v in usable]
     points = [(x, v) for x, v in drawn if not math.isnan(v)]
     px, py = [x for x, _ in points], [v for _, v in points]
     lx, ly = [x for x, _ in drawn], [v for _, v in drawn]
-    sampled = len(points) < len(xs) / 2  # memory is sampled on logged steps only: show the samples as points
     if kind == "log2":
-        axis.plot(lx, ly, drawstyle="steps-post", color="tab:blue")
-        axis.set_yscale("log", base=2)
-        axis.yaxis.set_major_formatter(_power_of_two_formatter())
+        lonely = _has_isolated_points(drawn, xs)  # a step line through a lone point has no length: mark it
+        axis.plot(lx, ly, drawstyle="steps-post", color="tab:blue", marker="o" if lonely else None, markersize=3)
+        _power_of_two_axis(axis, min(py), max(py))
     elif kind == "count":
         axis.plot(px, py, drawstyle="steps-post", color="tab:red")
-        axis.set_ylim(0, max(py) * 1.3)
+        axis.set_ylim(0, max(py) * 1.15)
         axis.yaxis.set_major_locator(_integer_locator())
     else:
-        axis.plot(lx, ly, marker="o" if sampled else None, markersize=3, color="tab:blue")
+        # Points as dots where a line would hide them: few of them, or one between two gaps.
+        dots = len(points) <= 20 or _has_isolated_points(drawn, xs)
+        axis.plot(lx, ly, marker="o" if dots else None, markersize=3, color="tab:blue")
         if kind == "log10" and max(py) > 10 * min(py):  # a log axis only where the norm spans a decade or more
             axis.set_yscale("log")
         elif kind == "zero":
             # From zero: a 0.1 MB wiggle on 900 MB is flat, and a real leak still climbs visibly.
-            axis.set_ylim(0, max(py) * 1.3)  # headroom for the "last" label above the line
-        if sampled:
-            gaps = sorted({b - a for a, b in itertools.pairwise(px)})
-            every = f" (every {gaps[0]} steps)" if len(gaps) == 1 else ""
-            axis.text(0.01, 0.04, f"sampled on logged steps{every}", transform=axis.transAxes, fontsize=8)
-    axis.text(0.99, 0.9, f"last {_last_text(py[-1], kind)}", ha="right", transform=axis.transAxes, fontsize=8,
-              bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"})  # fmt: skip
+            axis.set_ylim(0, max(py) * 1.15)
+    # Above the panel, not on it: a note in the plot area hides the points under it.
+    note = _coverage_note(xs, usable, px, skipped, "the steps Lightning logs" if kind == "zero" else "")
+    axis.set_title(note, loc="left", fontsize=8)
+    last = f"last {_last_text(py[-1], kind)}" + (f" (step {px[-1]})" if px[-1] != xs[-1] else "")
+    axis.set_title(last, loc="right", fontsize=8)
     skipped_points = [(x, v) for x, v in points if x in set(skipped)]
     for number, step in enumerate(skipped):
         axis.axvline(step, color="tab:red", alpha=0.35, linewidth=1, label="skipped step" if number == 0 else None)
     if skipped_points and kind != "count":
         axis.plot([x for x, _ in skipped_points], [v for _, v in skipped_points], "x", color="tab:red", markersize=5)
+
+
+def _has_isolated_points(drawn: list[tuple[int, float]], xs: list[int]) -> bool:
+    """Whether a drawable value has no drawable neighbour: a line through it would have no length."""
+    value = dict(drawn)
+    shown = [not math.isnan(value.get(x, math.nan)) for x in xs]
+    return any(
+        here and not (index > 0 and shown[index - 1]) and not (index + 1 < len(shown) and shown[index + 1])
+        for index, here in enumerate(shown)
+    )
+
+
+def _coverage_note(
+    xs: list[int], usable: list[tuple[int, float]], drawn_xs: list[int], skipped: list[int], why: str
+) -> str:
+    """What the panel's points are, when they are not every step: where the series was recorded, what is not drawn.
+
+    Example:
+        >>> _coverage_note(list(range(40)), [(9, 1.0), (19, 1.0), (29, 1.0), (39, 1.0)], [9, 19, 29, 39], [], "")
+        'recorded on 4 of 40 steps: every 10th, from step 9'
+        >>> _coverage_note([0, 1, 2, 3], [(0, 1.0), (1, math.inf), (2, math.inf), (3, 1.0)], [0, 3], [1, 2], "")
+        'not finite on the 2 skipped steps (not drawn)'
+    """
+    notes = []
+    recorded = [x for x, _ in usable]
+    if len(recorded) < len(xs):
+        gaps = {b - a for a, b in itertools.pairwise(recorded)}
+        where = f": every {gaps.pop()}th, from step {recorded[0]}" if len(gaps) == 1 else ""
+        notes.append(f"recorded on {len(recorded)} of {len(xs)} steps{' (' + why + ')' if why else ''}{where}")
+    hidden = sorted(set(recorded) - set(drawn_xs))
+    if hidden:
+        which = f"the {len(hidden)} skipped steps" if set(hidden) <= set(skipped) else plural(len(hidden), "step")
+        if len(hidden) == 1:
+            which = "the skipped step" if set(hidden) <= set(skipped) else f"step {hidden[0]}"
+        notes.append(f"not finite on {which} (not drawn)")
+    return "; ".join(notes)
 
 
 def _last_text(value: float, kind: str) -> str:
@@ -400,13 +452,41 @@ def _integer_locator() -> Any:
     return MaxNLocator(integer=True)
 
 
-def _power_of_two_formatter() -> Any:
-    from matplotlib.ticker import FuncFormatter
+def _power_of_two_axis(axis: Any, low: float, high: float) -> None:
+    """A log2 axis whose ticks are powers of two covering ``[low, high]``: both ends labelled, at most 9 ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
-    def text(value: float, _: object) -> str:
-        return _scale_text(value) if value > 0 else ""
+    axis.set_yscale("log", base=2)
+    exponents = _tick_exponents(math.floor(math.log2(low)), math.ceil(math.log2(high)))
+    axis.yaxis.set_major_locator(FixedLocator([2.0**e for e in exponents]))
+    axis.yaxis.set_minor_locator(NullLocator())
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _scale_text(value) if value > 0 else ""))
+    bottom, top = exponents[0], exponents[-1]
+    margin = 0.15 * max(top - bottom, 2)  # in powers of two: the end ticks (and a flat line) stay clear of the frame
+    axis.set_ylim(2.0 ** (bottom - margin), 2.0 ** (top + margin))
 
-    return FuncFormatter(text)
+
+def _tick_exponents(bottom: int, top: int, most: int = 9) -> list[int]:
+    """Exponents from ``top`` down to ``bottom`` in equal strides, ``top`` and ``bottom`` always among them.
+
+    The line's own ends are labelled: the scale it started from and the floor it reached, which a locator choosing
+    round numbers on its own may leave out (2**15..2**1 on a line from 2**16 to 2**0).
+
+    Example:
+        >>> _tick_exponents(0, 16)
+        [0, 2, 4, 6, 8, 10, 12, 14, 16]
+        >>> _tick_exponents(0, 24)
+        [0, 3, 6, 9, 12, 15, 18, 21, 24]
+        >>> _tick_exponents(18, 24), _tick_exponents(16, 16)
+        ([18, 19, 20, 21, 22, 23, 24], [16])
+        >>> _tick_exponents(0, 17)  # the stride counted from the top; the bottom tick kept
+        [0, 2, 5, 8, 11, 14, 17]
+    """
+    stride = max(1, math.ceil((top - bottom) / (most - 1)))
+    exponents = list(range(top, bottom, -stride))
+    if exponents and exponents[-1] - bottom < stride / 2 and exponents[-1] != top:
+        exponents.pop()  # too close to the bottom tick to be read apart from it
+    return sorted({*exponents, bottom})
 
 
 def _cumulative(flags: list[bool]) -> list[int]:
@@ -475,7 +555,17 @@ def _comparison_figure(rows: Sequence[ComparisonRow], title: str) -> Any:
     axes[0, 0].set_yticks(positions, names)
     axes[0, 0].invert_yaxis()  # the table's order, top to bottom
     figure.suptitle(title, fontsize=11)
+    _family_legend(figure, names)
     return figure
+
+
+_FAMILIES = {
+    "tab:gray": "fp32 (32-true)",
+    "tab:blue": "Lightning's built-in precision",
+    "tab:orange": "ours (MixedPrecisionPlugin)",
+    "tab:red": "ours + FP32 master weights",
+}
+"""What each bar colour stands for, in the legend's order."""
 
 
 def _family_color(name: str) -> str:
@@ -484,3 +574,12 @@ def _family_color(name: str) -> str:
     if name.startswith("ours"):
         return "tab:red" if name.endswith("master") else "tab:orange"
     return "tab:gray"
+
+
+def _family_legend(figure: Any, names: Sequence[str]) -> None:
+    """A legend of the colours the bars use, below the panels."""
+    from matplotlib.patches import Patch
+
+    used = {_family_color(name) for name in names}
+    handles = [Patch(color=color, label=label) for color, label in _FAMILIES.items() if color in used]
+    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=9, frameon=False)

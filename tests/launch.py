@@ -150,19 +150,29 @@ def run_pool(
         join=False,
         start_method="spawn",
     )
-    deadline = time.monotonic() + timeout_s
     try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                    process.join()
-                raise TimeoutError(f"the {world} workers did not finish within {timeout_s} s")
+        join_within(context, timeout_s)
     except ProcessException as error:
         saved = [out / f"rank{rank}.pt" for rank in range(world)]
         errors = [torch.load(path, weights_only=False).get("error", "") for path in saved if path.exists()]
         raise RuntimeError(f"a worker process died: {error}\n" + "\n".join(e for e in errors if e)) from error
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world)]
+
+
+def join_within(context: mp.ProcessContext, timeout_s: float) -> None:
+    """Wait for the processes of ``context`` (``start_processes(..., join=False)``) at most ``timeout_s`` seconds.
+
+    Raises:
+        TimeoutError: they did not finish in time; they have been killed.
+        ProcessException: one of them failed (``torch.multiprocessing``'s own report).
+    """
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+                process.join()
+            raise TimeoutError(f"the {len(context.processes)} workers did not finish within {timeout_s} s")
 
 
 def scenario(ranks: list[dict[str, Any]], name: str) -> tuple[Any, ...]:

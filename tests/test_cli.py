@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import re
 import runpy
 import signal
@@ -12,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import processes
 import pytest
 import torch
 from helpers import PNG_SIGNATURE, usage_error
@@ -25,7 +25,6 @@ from lightning_amp_plus.cli.train import train
 TINY_CNN = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 TINY_LSTM = ["lstm", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--hidden-dim", "4",
              "--embed-dim", "4", "--max-len", "12", "--accelerator", "cpu"]  # fmt: skip
-REPO = Path(__file__).resolve().parent.parent
 
 
 def run_train(*argv: str) -> dict[str, object]:
@@ -35,11 +34,11 @@ def run_train(*argv: str) -> dict[str, object]:
 
 
 def run_command(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`python -m lightning_amp_plus argv` in a fresh process (for what needs one: several ranks, import costs)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_amp_plus", *argv], capture_output=True, text=True, timeout=timeout, env=env
-    )
+    """`python -m lightning_amp_plus argv` in a fresh process (for what needs one: several ranks, import costs).
+
+    Past ``timeout`` the process and every process it started are killed and the test fails.
+    """
+    return processes.amp_plus(*argv, timeout=timeout)
 
 
 @pytest.fixture
@@ -127,9 +126,13 @@ def test_a_stop_with_a_diagnosis_prints_the_summary_so_far_and_exits_1_without_a
 
 # ------------------------------------------------------------------------------------------ console output
 # Lightning's info lines are log records (pytest's log capture holds them); the progress bar writes to the streams.
+@pytest.mark.parametrize("older_package_imported", [False, True])
 def test_in_a_non_terminal_train_prints_no_progress_bar_device_banner_tip_or_model_summary(
-    capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+    older_package_imported: bool, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    if older_package_imported:
+        # Importing pytorch_lightning (installed beside lightning) sends Lightning's info lines to its own logger.
+        pytest.importorskip("pytorch_lightning")
     assert main(["train", *TINY_CNN, "--max-steps", "2"]) == 0
     out, err = capfd.readouterr()
     everything = out + err + caplog.text
@@ -213,7 +216,7 @@ def test_amp_settings_refuse_impossible_combinations(settings: dict[str, object]
         (["train", "--epochs", "0"], "argument --epochs: 0 must be >= 1"),
         (["train", "--init-scale", "inf"], "argument --init-scale: inf must be a finite number"),
         (["train", "--precision", "fp8"], "argument --precision: invalid choice: 'fp8'"),
-        (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--bogus"], "unrecognized argument --bogus."),
         (["train", "--report", "/proc/x.png"], "--report /proc/x.png: no file can be created in /proc"),
         (["train", "--report", "x.txt"], "--report x.txt: the chart is written as .png, so the path must end in .png, "
          "e.g. x.png"),
@@ -341,20 +344,19 @@ def test_a_chart_without_matplotlib_is_a_usage_error(
 # ---------------------------------------------------------------------------------------- processes, Ctrl-C
 def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
     chart = tmp_path / "amp.png"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
     argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
             "--report", str(chart), "--progress-bar"]  # fmt: skip
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env) as process:
-        assert process.stdout is not None
-        seen, deadline = b"", time.monotonic() + 120
-        while b"Epoch 0:" not in seen and time.monotonic() < deadline and process.poll() is None:
-            seen += os.read(process.stdout.fileno(), 4096)
+    process = processes.start(argv)
+    try:
+        seen = processes.read_until(process, b"Epoch 0:", timeout=120)  # each read waits only for the time left
         assert b"Epoch 0:" in seen, seen
         time.sleep(0.5)  # some steps (a few ms each)
         process.send_signal(signal.SIGINT)
-        rest, err_bytes = process.communicate(timeout=60)
-    out, err = (seen + rest).decode(), err_bytes.decode()
+        rest, err = processes.finish(process, timeout=60, what="amp-plus train after Ctrl-C")
+    finally:
+        processes.kill_group(process)
+    out = seen.decode() + rest
     assert process.returncode == 130, err
     assert "Traceback" not in out + err
     assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
@@ -362,13 +364,19 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
 
 
-def test_several_cpu_processes_print_the_result_once() -> None:
-    done = run_command("train", *TINY_CNN, "--devices", "2", "--max-steps", "2", "--threads", "1", timeout=300)
+def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process_takes() -> None:
+    # 32 samples in batches of 8 over 2 processes: each takes 16 samples an epoch, 2 steps. --lightning-info shows
+    # Lightning's tips too, among them its advice to log epoch-level metrics with sync_dist=True under DDP.
+    done = run_command("train", *TINY_CNN, "--devices", "2", "--epochs", "2", "--threads", "1", "--lightning-info",
+                       timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stdout.count("amp-plus train cnn: bf16-mixed on cpu x 2") == 1  # the line before fit
-    assert done.stdout.count("MixedPrecisionMonitor: ") == 1
+    start = "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 2 epochs of 2 steps (Ctrl-C stops cleanly"
+    assert done.stdout.count(start) == 1  # the line before fit, from one process
+    assert done.stdout.count("MixedPrecisionMonitor: 4 optimizer steps") == 1
+    assert "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 4 steps (2.0 epochs) in " in done.stdout
     assert done.stdout.count("val/acc ") == 1
+    assert "sync_dist" not in done.stderr  # the shipped model logs its epoch loss across processes
 
 
 # ------------------------------------------------------------------------------------------- entry points
@@ -384,8 +392,7 @@ def test_the_command_line_imports_neither_torch_nor_lightning_to_answer_help_or_
         "        pass\n"
         "print('HEAVY', sorted(m for m in ('torch', 'lightning', 'matplotlib') if m in sys.modules))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    done = processes.run([sys.executable, "-c", code], timeout=60)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr
 
 

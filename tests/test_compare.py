@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import lightning.pytorch as pl
+import processes
 import pytest
 import torch
 from helpers import usage_error
@@ -70,7 +71,9 @@ def test_compare_without_32_true_leaves_the_ratio_blank(capsys: pytest.CaptureFi
     assert "vs 32-true: not measured" in capsys.readouterr().out
 
 
-def test_a_configuration_runs_in_its_own_process_and_reports_its_memory() -> None:
+def test_a_configuration_runs_in_its_own_process_and_reports_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker process under this test's deadline: killed (with anything it started) past it, failing the test.
+    monkeypatch.setattr(subprocess, "run", lambda command, **kwargs: processes.run(command, timeout=300))
     spec = RunSpec("cnn", "32-true", steps=2, warmup=1, threads=1,
                    data={"num_train": 16, "num_val": 8, "batch_size": 8}, model={"width": 2})  # fmt: skip
     result = run_config_isolated(spec)

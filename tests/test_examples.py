@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+import processes
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -40,8 +42,19 @@ def test_lightning_example_resumes_from_its_halfway_checkpoint(tmp_path: Path, p
 
 # ------------------------------------------------------------------------------------------ LightningCLI examples
 CONFIGS = EXAMPLES / "configs"
+# The LightningCLI examples need jsonargparse (the `cli` extra); without it they are not run.
+needs_jsonargparse = pytest.mark.skipif(
+    importlib.util.find_spec("jsonargparse") is None, reason="the LightningCLI examples need jsonargparse"
+)
 # LightningCLI warns when given args while sys.argv holds pytest's: that is how tests call it.
-cli_args = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+_args_warning = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter is intended")
+
+
+def cli_args(test: Callable[..., None]) -> Callable[..., None]:
+    """A test of a LightningCLI example, called in this process with ``args``: needs jsonargparse."""
+    return needs_jsonargparse(_args_warning(test))
+
+
 TINY_TRAINER = [
     "--trainer.max_steps=2",
     "--trainer.accelerator=cpu",
@@ -182,3 +195,34 @@ def test_trainer_precision_and_changed_amp_settings_together_stop_with_the_flag_
     err = capsys.readouterr().err
     assert "--trainer.precision 16-mixed and --amp.* (master_weights=True) both set the precision. Use one" in err
     assert "Traceback" not in err
+
+
+TINY_CNN = ["--model.width=2", "--data.num_train=16", "--data.num_val=8", "--data.batch_size=8"]
+
+
+@needs_jsonargparse
+def test_with_the_logger_off_the_example_saves_no_config_and_leaves_the_users_config_yaml_alone(tmp_path: Path) -> None:
+    # As a user runs it: the script as a program, from a folder that holds a config.yaml of their own. The synthetic
+    # config turns the logger off, so the run has no folder; Lightning would have written config.yaml here.
+    mine = tmp_path / "config.yaml"
+    mine.write_text("# my own notes\nmine: true\n")
+    argv = [sys.executable, str(EXAMPLES / "cifar_cnn.py"), "fit", f"--config={CONFIGS / 'cnn_synthetic.yaml'}",
+            *TINY_TRAINER, *TINY_CNN]  # fmt: skip
+    done = processes.run(argv, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert mine.read_text() == "# my own notes\nmine: true\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]  # nothing else written in the folder
+    assert "Config not saved: no logger, so the run has no folder of its own" in done.stderr
+
+
+@cli_args
+def test_with_a_logger_each_run_saves_its_config_in_its_own_version_folder(tmp_path: Path) -> None:
+    mine = tmp_path / "config.yaml"
+    mine.write_text("mine: true\n")
+    argv = ["fit", f"--config={CONFIGS / 'cnn_synthetic.yaml'}", *TINY_TRAINER, *TINY_CNN, "--trainer.logger=true",
+            "--trainer.log_every_n_steps=1", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    for _ in range(2):
+        load("cifar_cnn").main(argv)
+    saved = sorted(tmp_path.glob("lightning_logs/version_*/config.yaml"))
+    assert [p.parent.name for p in saved] == ["version_0", "version_1"]  # a fresh folder each, nothing replaced
+    assert "amp:" in saved[0].read_text() and mine.read_text() == "mine: true\n"

@@ -8,10 +8,10 @@ imports only from its own layer or below, and the package's imports have no cycl
 from __future__ import annotations
 
 import ast
-import subprocess
 import sys
 from pathlib import Path
 
+import processes
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
@@ -128,5 +128,6 @@ s = DynamicLossScaler(init_scale=4.0)
 s.scale(w.sum()).backward(); s.step(opt); s.update()
 print(w.tolist())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = processes.run([sys.executable, "-c", code], timeout=120)
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0.5, 0.5]"

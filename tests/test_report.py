@@ -101,8 +101,62 @@ def test_the_memory_axis_starts_at_zero_so_a_flat_line_looks_flat() -> None:
     memory_axis = _run_figure(history).axes[-1]
     low, high = memory_axis.get_ylim()
     assert low == 0 and high > 900
-    assert any("sampled on logged steps (every 10 steps)" in text.get_text() for text in memory_axis.texts)
     assert memory_axis.get_xlim()[0] < 0.5  # the axis spans the run from its first step, not from the first sample
+
+
+@pytest.mark.parametrize(
+    ("sampled", "steps", "note"),
+    [
+        ({9, 19, 29, 39}, 40, "recorded on 4 of 40 steps (the steps Lightning logs): every 10th, from step 9"),
+        ({9, 19, 23}, 24, "recorded on 3 of 24 steps (the steps Lightning logs)"),  # the last step logged as it stops
+        (set(range(5)), 5, ""),  # every step: nothing to say
+    ],
+)
+def test_the_memory_panel_says_on_which_steps_memory_was_recorded(sampled: set[int], steps: int, note: str) -> None:
+    history = AmpHistory([StepRecord(s, None, False, 1.0, 900.0 if s in sampled else None) for s in range(steps)])
+    memory_axis = _run_figure(history).axes[-1]
+    assert memory_axis.get_title(loc="left") == note
+    assert not any("sampled" in text.get_text() for text in memory_axis.texts)
+
+
+def floor_run() -> AmpHistory:
+    """fp16 at lr 1000: two steps applied (0 and 5), every other one skipped, the scale from 2**16 to its floor 2**0;
+    the norm is measured on every step (inf where skipped), memory on the logged ones."""
+    records, scale = [], 2.0**16
+    for step in range(40):
+        skipped = step not in (0, 5)
+        norm = math.inf if skipped else (1.5 if step == 0 else 235.0)
+        records.append(StepRecord(step, scale, skipped, norm, 860.0 if step % 10 == 9 else None))
+        scale = max(scale / 2, 1.0) if skipped else scale
+    return AmpHistory(records, memory_kind="process memory")
+
+
+def test_a_norm_measured_every_step_is_not_called_sampled_and_its_skipped_steps_are_said_to_be_non_finite() -> None:
+    norm_axis = next(axis for axis in _run_figure(floor_run()).axes if axis.get_ylabel() == "gradient norm")
+    assert norm_axis.get_title(loc="left") == "not finite on the 38 skipped steps (not drawn)"
+    assert norm_axis.get_title(loc="right") == "last 235 (step 5)"  # the last drawn value, not the run's last step
+    line = norm_axis.get_lines()[0]
+    assert line.get_marker() == "o"  # two lone points between gaps: a line alone would draw nothing
+    assert [x for x, y in zip(line.get_xdata(), line.get_ydata(), strict=True) if math.isfinite(y)] == [0, 5]
+
+
+def test_the_loss_scale_ticks_label_the_lines_top_and_its_floor() -> None:
+    scale_axis = _run_figure(floor_run()).axes[0]
+    assert scale_axis.get_ylabel() == "loss scale"
+    low, high = scale_axis.get_ylim()
+    ticks = [tick for tick in scale_axis.get_yticks() if low <= tick <= high]
+    labels = [scale_axis.yaxis.get_major_formatter()(tick, None) for tick in ticks]
+    assert labels[0] == "2**0" and labels[-1] == "2**16"  # the floor and the start, both labelled
+    assert labels == [f"2**{e}" for e in range(0, 17, 2)]
+    assert low < 1.0 and high > 2.0**16  # and in view, off the frame
+
+
+def test_a_two_step_chart_has_a_tick_on_each_step_and_no_empty_half_steps() -> None:
+    figure = _run_figure(AmpHistory([StepRecord(0, None, False, 1.2, None), StepRecord(1, None, False, 1.1, None)]))
+    axis = figure.axes[-1]
+    low, high = axis.get_xlim()
+    assert list(axis.get_xticks()) == [0, 1]
+    assert -0.5 < low < 0 and 1 < high < 1.5
 
 
 def test_skipped_steps_are_marked_in_every_panel_with_a_legend() -> None:
@@ -111,8 +165,8 @@ def test_skipped_steps_are_marked_in_every_panel_with_a_legend() -> None:
         marked = sorted(line.get_xdata()[0] for line in axis.get_lines() if line.get_color() == "tab:red"
                         and len(line.get_xdata()) == 2 and line.get_xdata()[0] == line.get_xdata()[1])  # fmt: skip
         assert marked == [2, 5], axis.get_ylabel()
-    legend = figure.axes[0].get_legend()
-    assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["skipped step"]
+    (legend,) = figure.legends  # beside the title: with many skips no spot inside a panel is free of lines
+    assert [t.get_text() for t in legend.get_texts()] == ["skipped step"]
 
 
 def test_several_optimizers_in_a_batch_make_one_point_with_their_global_norm() -> None:
@@ -148,6 +202,21 @@ def test_the_comparison_chart_labels_every_bar_and_shows_loss_and_accuracy(tmp_p
     assert labels == [["1.00x", "2.50x"], ["20.0", "-"], ["0.700", "0.710"], ["0.500", "0.520"]]
     path = write_comparison_chart(rows, tmp_path / "cmp.png", "title")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_the_comparison_chart_has_a_legend_for_each_colour_its_bars_use() -> None:
+    names = ["32-true", "lightning-bf16-mixed", "ours-bf16-mixed", "ours-bf16-mixed-master"]
+    rows = [ConfigResult(name, 4, 10.0, 20.0, 0.7, 0.5, 0, 1.0, 1.0) for name in names]
+    figure = _comparison_figure(rows, "title")
+    (legend,) = figure.legends
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert labels == ["fp32 (32-true)", "Lightning's built-in precision", "ours (MixedPrecisionPlugin)",
+                      "ours + FP32 master weights"]  # fmt: skip
+    bar_colors = [tuple(bar.get_facecolor()) for bar in figure.axes[0].patches]
+    legend_colors = [tuple(patch.get_facecolor()) for patch in legend.get_patches()]
+    assert legend_colors == bar_colors  # one bar of each family here, in the legend's order
+    only_ours = _comparison_figure(rows[2:3], "title")
+    assert [t.get_text() for t in only_ours.legends[0].get_texts()] == ["ours (MixedPrecisionPlugin)"]
 
 
 # ------------------------------------------------------------------------------------------------- chart path

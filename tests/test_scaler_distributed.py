@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import host_reads
-from launch import free_port
+from launch import POOL_TIMEOUT_S, free_port, join_within
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -72,7 +72,8 @@ def worker(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[bool, dict[str, Any]]]:
     out = tmp_path_factory.mktemp("scaler_ddp")
-    mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True, start_method="spawn")
+    context = mp.start_processes(worker, args=(free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
+    join_within(context, POOL_TIMEOUT_S)  # killed past it: a hung rank fails the test instead of hanging it
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 

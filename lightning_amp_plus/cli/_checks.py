@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 from lightning_amp_plus._wording import number
 
-__all__ = ["LR_MAX", "SEED_MAX", "RunFailed", "UsageError", "float_in", "int_in"]
+__all__ = ["LR_MAX", "SEED_MAX", "RunFailed", "UsageError", "check_ckpt_dir", "float_in", "int_in"]
 
 SEED_MAX = 2**32 - 1
 """The largest seed ``seed_everything`` accepts (numpy's generator takes 32-bit seeds)."""
@@ -96,3 +97,53 @@ def float_in(
         return value
 
     return parse
+
+
+# ------------------------------------------------------------------------------------------- checkpoint folder
+def check_ckpt_dir(ckpt_dir: str | None, resume: bool) -> None:
+    """Refuse ``--ckpt-dir``/``--resume`` combinations that would mix two runs' checkpoints or resume nothing.
+
+    A new run needs an empty (or missing) folder: in one that holds files, its checkpoints would sit beside another
+    run's, and Lightning would write its ``last.ckpt`` as ``last-v1.ckpt`` while ``last.ckpt`` stays the older run's.
+    ``--resume`` needs the folder's ``last.ckpt``.
+
+    Raises:
+        ValueError: the message names the flag, the folder and what to do.
+
+    Example:
+        >>> check_ckpt_dir(None, resume=True)
+        Traceback (most recent call last):
+        ...
+        ValueError: --resume continues the run saved in a --ckpt-dir folder: give --ckpt-dir DIR, the folder that holds its last.ckpt.
+    """  # noqa: E501
+    if ckpt_dir is None:
+        if resume:
+            raise ValueError(
+                "--resume continues the run saved in a --ckpt-dir folder: give --ckpt-dir DIR, the folder that holds "
+                "its last.ckpt."
+            )
+        return
+    folder = Path(ckpt_dir)
+    last = folder / "last.ckpt"
+    try:
+        held = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    except OSError as error:
+        raise ValueError(f"--ckpt-dir {ckpt_dir}: the folder cannot be read ({error.strerror or error}).") from None
+    if resume and not last.is_file():
+        what = "does not exist" if not folder.exists() else "holds no last.ckpt" if held else "is empty"
+        raise ValueError(
+            f"--resume: --ckpt-dir {ckpt_dir} {what}, so there is no run to continue ({last} is missing). Drop "
+            "--resume to start a new run there, or give the --ckpt-dir of the run to continue."
+        )
+    if held and not resume:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        fix = (
+            f"To continue the run saved there, add --resume (it continues from {last}); to start a new run, give an "
+            "empty or new folder."
+            if last.is_file()
+            else "It has no last.ckpt for --resume to continue from: give an empty or new folder."
+        )
+        raise ValueError(
+            f"--ckpt-dir {ckpt_dir} already holds {shown}: a new run would put its checkpoints beside them (and "
+            f"write its last.ckpt as last-v1.ckpt). {fix}"
+        )

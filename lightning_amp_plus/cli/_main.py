@@ -21,13 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
-from lightning_amp_plus.cli._checks import LR_MAX, SEED_MAX, RunFailed, UsageError, float_in, int_in
+from lightning_amp_plus.cli._argparse import Parser, plain_warnings
+from lightning_amp_plus.cli._checks import (
+    LR_MAX,
+    SEED_MAX,
+    RunFailed,
+    UsageError,
+    check_ckpt_dir,
+    float_in,
+    int_in,
+)
 from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
 from lightning_amp_plus.cli._settings import (
+    DEFAULT_TASK,
     PRECISIONS,
     SCALER_MAX_SCALE,
     SCALER_MIN_SCALE,
@@ -50,7 +60,11 @@ _SCALE_WHY = ": the loss scaler keeps its scale between its min_scale 1 and max_
 def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by train and compare: task, data, model size, device, seed."""
     parser.add_argument(
-        "task", nargs="?", choices=TASKS, default="cnn", help="the model: cnn (CIFAR-10) or lstm (IMDB)"
+        "task",
+        nargs="?",
+        choices=TASKS,
+        default=DEFAULT_TASK,
+        help="the model: cnn (CIFAR-10, the default) or lstm (IMDB)",
     )
     data = parser.add_argument_group("data")
     data.add_argument(
@@ -136,19 +150,21 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> Parser:
     """The ``amp-plus`` argument parser with its three subcommands (pure Python: nothing heavy is imported).
+
+    Its errors come first, on one paragraph, with "did you mean" for near misses (:class:`~._argparse.Parser`).
 
     Example:
         >>> build_parser().parse_args(["train", "lstm", "--precision", "16-mixed"]).precision
         '16-mixed'
     """
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=PROG,
         description="Mixed-precision training with lightning-amp-plus: train, compare, doctor.",
         epilog="Run `amp-plus <command> --help` for a command's options.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="{train,compare,doctor}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     train_parser = commands.add_parser(
         "train",
@@ -187,7 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
     loop.add_argument(
         "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
     )
-    loop.add_argument("--ckpt-dir", help="save checkpoints here (the latest epoch's, and last.ckpt); none by default")
+    loop.add_argument(
+        "--ckpt-dir",
+        help="save checkpoints here (the latest epoch's, and last.ckpt): an empty or new folder, or with --resume the "
+        "folder of the run to continue; none by default",
+    )
+    loop.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs (the "
+        "other flags as in that run)",
+    )
     _add_console_arguments(train_parser)
 
     compare_parser = commands.add_parser(
@@ -205,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doctor_parser.add_argument("--json", action="store_true", help="print the findings as JSON")
     doctor_parser.add_argument("--no-benchmark", action="store_true", help="skip the matmul benchmark")
+    parser.commands = {"train": train_parser, "compare": compare_parser, "doctor": doctor_parser}
     return parser
 
 
@@ -244,6 +271,7 @@ def _check_request(args: argparse.Namespace) -> None:
             check_chart_path(args.report, "--report")
         if args.ckpt_dir is not None:
             check_output_dir(args.ckpt_dir, "--ckpt-dir")
+        check_ckpt_dir(args.ckpt_dir, args.resume)
         return
     if args.steps is not None and args.warmup is not None and args.warmup >= args.steps:
         raise ValueError(
@@ -289,14 +317,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parser.parse_command(sys.argv[1:] if argv is None else argv)
     if args.command is None:
         parser.print_help()
         return 0
     _console_defaults(args)
     try:
         check_request(args)
-        _run(args)
+        run = _command(args.command)
+        with plain_warnings():  # "warning: ..." sentences, not "/path/to/file.py:419: ..."
+            run(args)
     except UsageError as error:
         _fail(args.command, str(error))
     except KeyboardInterrupt as interrupt:
@@ -309,18 +339,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _run(args: argparse.Namespace) -> None:
-    # Imported here, not at the top: torch and Lightning take seconds to import, which --help should not wait for.
-    if args.command == "train":
+def _command(name: str) -> Callable[[argparse.Namespace], object]:
+    """The function that runs command ``name``, its module (and with it torch and Lightning) imported now.
+
+    Imported here, not at the top: torch and Lightning take seconds to import, which --help should not wait for.
+    Lightning sets its own warning format when imported: :func:`main` words warnings plainly only after this.
+    """
+    if name == "train":
         from lightning_amp_plus.cli import train as _train
 
-        _train.train(args)
-    elif args.command == "compare":
+        return _train.train
+    if name == "compare":
         from lightning_amp_plus.cli import compare
 
-        compare.run(args)
-    else:
-        from lightning_amp_plus.cli import doctor
+        return compare.run
+    import lightning  # noqa: F401  (the doctor reports its version; imported before the warning format is set)
 
-        data = doctor.report_dict(doctor.collect(benchmark=not args.no_benchmark))
-        print(json.dumps(data, indent=2) if args.json else doctor.format_report(data))
+    return _doctor
+
+
+def _doctor(args: argparse.Namespace) -> None:
+    from lightning_amp_plus.cli import doctor
+
+    data = doctor.report_dict(doctor.collect(benchmark=not args.no_benchmark))
+    print(json.dumps(data, indent=2) if args.json else doctor.format_report(data))

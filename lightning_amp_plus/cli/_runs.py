@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar, cast
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.warnings import PossibleUserWarning
 
 from lightning_amp_plus import data as datasets
 from lightning_amp_plus.cli import doctor
@@ -200,24 +201,41 @@ def example_input(task: Task, datamodule: pl.LightningDataModule) -> Any:
 # --------------------------------------------------------------------------------------------------- console
 @contextmanager
 def lightning_output(info: bool) -> Iterator[None]:
-    """Lightning's info lines (devices available, tips, why ``fit`` stopped) shown or not; expected warnings hidden.
+    """Lightning's info lines and tips (devices, why ``fit`` stopped, "does not have many workers") shown or not.
 
-    Warnings stay visible: they may be the user's business. Two are not: the model summary sizing our plugin's weights
-    at 32 bits, and a pytree deprecation inside Lightning 2.6.6 that nobody running this command can act on.
+    Warnings stay visible: they may be the user's business. Not Lightning's ``PossibleUserWarning`` tips while its info
+    lines are off (about data-loader workers, logging intervals, samplers: advice for code the user of this command
+    did not write), and never two that nobody running this command can act on: the model summary sizing our plugin's
+    weights at 32 bits, and a pytree deprecation inside Lightning 2.6.6.
     """
-    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    loggers = _lightning_loggers()
     levels = [logger.level for logger in loggers]
     if not info:
         for logger in loggers:
             logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
+            if not info:
+                warnings.filterwarnings("ignore", category=PossibleUserWarning)
             warnings.filterwarnings("ignore", message=r".*is not supported by the model summary.*")
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
+
+
+def _lightning_loggers() -> list[logging.Logger]:
+    """The loggers Lightning's info lines go to: its packages' own, and the one its ``rank_zero_info`` uses now.
+
+    ``rank_zero_info`` writes to one logger shared by every Lightning package, the last imported naming it: after an
+    ``import pytorch_lightning`` (the older package name, installed beside ``lightning``) that is
+    ``pytorch_lightning.utilities.rank_zero``, even for ``lightning.pytorch``'s Trainer.
+    """
+    from lightning_utilities.core import rank_zero
+
+    names = {"lightning.pytorch", "lightning.fabric", rank_zero.log.name}
+    return [logging.getLogger(name) for name in sorted(names)]
 
 
 def interruptible(trainer: pl.Trainer, call: Callable[[], _T]) -> _T:

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 __all__ = [
+    "DEFAULT_TASK",
     "MODEL_FLAGS",
     "PRECISIONS",
     "SCALER_MAX_SCALE",
@@ -29,10 +30,20 @@ __all__ = [
     "amp_problem",
     "cli_amp_problem",
     "model_hparams",
+    "task_label",
     "train_settings",
 ]
 
 TASKS = ("cnn", "lstm")
+
+
+class DefaultTask(str):
+    """The model a command runs when none is named: equal to ``"cnn"``, but marked, so that the command can say so."""
+
+    __slots__ = ()
+
+
+DEFAULT_TASK = DefaultTask(TASKS[0])
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
 Task = Literal["cnn", "lstm"]
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed"]
@@ -345,6 +356,21 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "max_steps", -1) != -1 and getattr(args, "epochs", None) is None:
         settings["epochs"] = -1  # --max-steps alone: the steps decide, however many epochs they take
     return settings
+
+
+def task_label(args: argparse.Namespace, command: str) -> str:
+    """How a command's first line names its model: ``cnn``, or, when none was named, ``cnn`` and that it was chosen.
+
+    Example:
+        >>> task_label(argparse.Namespace(task=DEFAULT_TASK), "train")
+        'cnn (no model named, so the default; `amp-plus train lstm` trains the other)'
+        >>> task_label(argparse.Namespace(task="cnn"), "train")
+        'cnn'
+    """
+    if not isinstance(args.task, DefaultTask):
+        return str(args.task)
+    other = next(task for task in TASKS if task != args.task)
+    return f"{args.task} (no model named, so the default; `amp-plus {command} {other}` trains the other)"
 
 
 def model_hparams(task: Task, settings: dict[str, Any]) -> dict[str, Any]:

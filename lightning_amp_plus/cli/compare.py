@@ -59,7 +59,7 @@ from lightning_amp_plus.cli._runs import (
     resolve_accelerator,
     resolve_precision,
 )
-from lightning_amp_plus.cli._settings import model_hparams, train_settings
+from lightning_amp_plus.cli._settings import model_hparams, task_label, train_settings
 from lightning_amp_plus.precision import skipped_steps
 
 __all__ = [
@@ -455,7 +455,8 @@ def run(args: argparse.Namespace) -> list[ConfigResult]:
         load_datamodule(args, train_settings(args))
     where = "one fresh process each" if isolated else "in this process"
     print(
-        f"amp-plus compare {args.task}: {plural(len(specs), 'configuration')} x {plural(specs[0].steps, 'step')} on "
+        f"amp-plus compare {task_label(args, 'compare')}: {plural(len(specs), 'configuration')} x "
+        f"{plural(specs[0].steps, 'step')} on "
         f"{device} ({where}; the first {plural(specs[0].warmup, 'step')} warm-up)",
         flush=True,
     )

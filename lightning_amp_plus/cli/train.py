@@ -7,19 +7,24 @@ imported; what needs the machine (device, precision support, data) is checked he
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_amp_plus import report
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point
 from lightning_amp_plus.cli._runs import (
     build_model,
     check_devices,
@@ -30,11 +35,18 @@ from lightning_amp_plus.cli._runs import (
     resolve_accelerator,
     resolve_precision,
 )
-from lightning_amp_plus.cli._settings import AmpSettings, PrecisionName, cli_amp_problem, model_hparams, train_settings
+from lightning_amp_plus.cli._settings import (
+    AmpSettings,
+    PrecisionName,
+    cli_amp_problem,
+    model_hparams,
+    task_label,
+    train_settings,
+)
 from lightning_amp_plus.monitor import MixedPrecisionMonitor
 from lightning_amp_plus.precision import skipped_steps
 
-__all__ = ["train"]
+__all__ = ["batches_per_rank", "train"]
 
 _CHANCE = {"cnn": 0.1, "lstm": 0.5}
 
@@ -44,34 +56,69 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     Ctrl-C stops cleanly: the monitor's summary so far is printed, the chart written, and ``KeyboardInterrupt``
     raised again (saying where it stopped) for the command to exit with code 130. A stop with a diagnosis
-    (``FloatingPointError``: steps that keep overflowing) reports the same way and raises ``RunFailed``.
+    (``FloatingPointError``: steps that keep overflowing) reports the same way and raises ``RunFailed``. With
+    ``--resume``, training continues from ``--ckpt-dir``'s ``last.ckpt``, checked first (:mod:`._resume`).
     """
     settings = train_settings(args)
+    device, precision, amp = _set_up(args)
+    pl.seed_everything(args.seed, workers=True, verbose=False)
+    datamodule = load_datamodule(args, settings)
+    model = build_model(args.task, datamodule, **model_hparams(args.task, settings))
+    if args.model_summary:
+        model.example_input_array = example_input(args.task, datamodule)  # measured sizes and FLOPs, not zeros
+    batches = batches_per_rank(datamodule.train_dataloader(), args.devices)
+    record = RunRecord({"task": str(args.task), "precision": precision, "master_weights": amp.master_weights})
+    resume = None
+    if args.resume:
+        target = _target_step(args, settings, batches)
+        resume = read_resume_point(Path(args.ckpt_dir) / "last.ckpt", model, datamodule, record, target)
+    # Under DDP on CPU every process runs this command; one speaks. (The Trainer knows its rank only inside fit.)
+    if getattr(rank_zero_only, "rank", 0) == 0:
+        print(_start_line(args, settings, precision, device, amp, batches), flush=True)
+        if resume is not None:
+            print(resume.line(), flush=True)
+    trainer, seconds = _fit(args, settings, device, amp, model, datamodule, [record], resume)
+    result = _result(args, trainer, precision, device, amp, seconds)
+    result["resumed_at"] = None if resume is None else resume.step
+    if trainer.is_global_zero:
+        _print_result(result, _epoch_length(trainer, batches))
+    return result
+
+
+def _set_up(args: argparse.Namespace) -> tuple[str, PrecisionName, AmpSettings]:
+    """The device, the precision and the mixed-precision settings, checked against this machine."""
     device = resolve_accelerator(args.accelerator)
     check_devices(device, args.devices)
     precision = resolve_precision(args.precision, device)
     problem = cli_amp_problem(args, precision, auto=args.precision == "auto")
     if problem is not None:
         raise UsageError(problem)
-    amp = _amp_settings(args, precision)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    pl.seed_everything(args.seed, workers=True, verbose=False)
-    datamodule = load_datamodule(args, settings)
-    model = build_model(args.task, datamodule, **model_hparams(args.task, settings))
-    if args.model_summary:
-        model.example_input_array = example_input(args.task, datamodule)  # measured sizes and FLOPs, not zeros
-    batches = len(datamodule.train_dataloader())
-    # Under DDP on CPU every process runs this command; one speaks. (The Trainer knows its rank only inside fit.)
-    if getattr(rank_zero_only, "rank", 0) == 0:
-        print(_start_line(args, settings, precision, device, amp, batches), flush=True)
+    return device, precision, _amp_settings(args, precision)
+
+
+def _fit(
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    device: str,
+    amp: AmpSettings,
+    model: pl.LightningModule,
+    datamodule: pl.LightningDataModule,
+    extra: list[Callback],
+    resume: ResumePoint | None,
+) -> tuple[pl.Trainer, float]:
+    """Fit (from ``resume`` when given), then validate the final weights if fit did not; the trainer and seconds."""
     monitors = amp.callbacks()
     last_val = _LastValidation()
     start = time.perf_counter()
-    with lightning_output(args.lightning_info):  # the Trainer's constructor prints too
-        trainer = _trainer(args, settings, device, amp, [*monitors, last_val])
+    ckpt_path = None if resume is None else str(resume.path)
+    with lightning_output(args.lightning_info), warnings.catch_warnings():  # the Trainer's constructor prints too
+        # The folder was checked before: empty for a new run, the run's own for --resume.
+        warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+        trainer = _trainer(args, settings, device, amp, [*monitors, last_val, *extra], resume)
         try:
-            interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule))
+            interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
         except (KeyboardInterrupt, FloatingPointError) as stop:
             raise _stopped(stop, trainer, monitors, amp, during="training") from None
         if last_val.step != trainer.global_step:  # the numbers must describe the final weights
@@ -79,9 +126,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 interruptible(trainer, lambda: trainer.validate(model, datamodule=datamodule, verbose=False))
             except KeyboardInterrupt as stop:
                 raise _stopped(stop, trainer, [], amp, during="the final validation") from None
-    seconds = time.perf_counter() - start
+    return trainer, time.perf_counter() - start
+
+
+def _result(
+    args: argparse.Namespace, trainer: pl.Trainer, precision: str, device: str, amp: AmpSettings, seconds: float
+) -> dict[str, Any]:
     metrics = {key: float(value) for key, value in trainer.callback_metrics.items()}
-    result = {
+    return {
         "task": args.task,
         "data": args.data,
         "precision": precision,
@@ -95,22 +147,62 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "train_loss": metrics.get("train/loss_epoch", metrics.get("train/loss")),
         "skipped_steps": skipped_steps(trainer),
     }
-    if trainer.is_global_zero:
-        _print_result(result, batches)
-    return result
+
+
+def batches_per_rank(loader: DataLoader[Any], devices: int) -> int:
+    """The optimizer steps of one epoch on each process: with ``devices`` processes, each takes its share of samples.
+
+    Lightning gives each process a ``DistributedSampler`` (``drop_last=False``): ``ceil(samples / devices)`` samples
+    each, the last batch short unless the loader drops it.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.zeros(2048, 1)), batch_size=64)
+        >>> batches_per_rank(loader, 1), batches_per_rank(loader, 2), batches_per_rank(loader, 3)
+        (32, 16, 11)
+    """
+    if devices == 1:
+        return len(loader)
+    batch_size = loader.batch_size or 1
+    samples: int = math.ceil(len(loader.dataset) / devices)  # type: ignore[arg-type]
+    return samples // batch_size if loader.drop_last else math.ceil(samples / batch_size)
+
+
+def _target_step(args: argparse.Namespace, settings: dict[str, Any], batches: int) -> int:
+    """The global step this run ends at: ``--max-steps``, or the end of the last epoch, whichever comes first."""
+    ends = [int(settings["epochs"]) * batches if settings["epochs"] != -1 else None]
+    ends.append(int(args.max_steps) if args.max_steps != -1 else None)
+    return min(step for step in ends if step is not None)
+
+
+def _epoch_length(trainer: pl.Trainer, batches: int) -> int:
+    """The steps of one epoch as the Trainer counted them on each process (``batches`` if it counted none)."""
+    counted = trainer.num_training_batches
+    return int(counted) if isinstance(counted, int) and counted > 0 else batches
 
 
 def _trainer(
-    args: argparse.Namespace, settings: dict[str, Any], device: str, amp: AmpSettings, callbacks: list[Callback]
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    device: str,
+    amp: AmpSettings,
+    callbacks: list[Callback],
+    resume: ResumePoint | None = None,
 ) -> pl.Trainer:
     if args.ckpt_dir is not None:
-        callbacks = [*callbacks, ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True)]
+        # No last-v1.ckpt: the folder was checked to be empty or, with --resume, this run's own, whose last.ckpt is
+        # this run's to replace (also when the folder has moved since, which Lightning's counter takes for another).
+        checkpoints = ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, enable_version_counter=False)
+        callbacks = [*callbacks, checkpoints]
+    # A resumed run ends at its target step. Lightning's epoch count cannot be trusted to end it: after a resume from a
+    # mid-epoch checkpoint (--max-steps inside an epoch), a later resume by max_epochs ends steps short (2.6.6).
+    max_epochs, max_steps = (settings["epochs"], args.max_steps) if resume is None else (-1, resume.target)
     return pl.Trainer(
+        callbacks=[*callbacks, *_console_callbacks(args)],
         accelerator=device,
         devices=args.devices,
-        max_epochs=settings["epochs"],
-        max_steps=args.max_steps,
-        callbacks=callbacks,
+        max_epochs=max_epochs,
+        max_steps=max_steps,
         logger=False,
         enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=args.progress_bar,
@@ -120,6 +212,18 @@ def _trainer(
         log_every_n_steps=10,
         **amp.trainer_kwargs(device),
     )
+
+
+def _console_callbacks(args: argparse.Namespace) -> list[Callback]:
+    """The plain progress bar and model summary, asked for by name.
+
+    Left to itself, Lightning picks their ``rich`` versions whenever ``rich`` happens to be installed: the command's
+    output would then depend on what else is in the environment.
+    """
+    return [
+        *([TQDMProgressBar()] if args.progress_bar else []),
+        *([ModelSummary()] if args.model_summary else []),
+    ]
 
 
 def _stopped(
@@ -178,19 +282,24 @@ def _start_line(
         + (f", at most {plural(args.max_steps, 'step')}" if args.max_steps != -1 else "")
     )
     return (
-        f"amp-plus train {args.task}: {precision}{master} on {device}{devices}, {args.data} data, {length} "
-        "(Ctrl-C stops cleanly with the summary so far)"
+        f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
+        f"{length} (Ctrl-C stops cleanly with the summary so far)"
     )
 
 
 def _print_result(result: dict[str, Any], batches_per_epoch: int) -> None:
-    steps = result["steps"]
-    per_step = 1000 * result["seconds"] / max(steps, 1)
+    steps, resumed_at = result["steps"], result["resumed_at"]
+    this_run = steps - (resumed_at or 0)
+    per_step = 1000 * result["seconds"] / max(this_run, 1)
     master = ", master weights" if result["master_weights"] else ""
+    devices = f" x {result['devices']}" if result["devices"] > 1 else ""
+    epochs = f"{steps / max(batches_per_epoch, 1):.1f} epochs"
+    if resumed_at is not None:
+        epochs += f"; {this_run} in this run, resumed at step {resumed_at}"
     print(
-        f"\namp-plus train {result['task']}: {result['precision']}{master} on {result['accelerator']}, "
-        f"{result['data']} data, {plural(steps, 'step')} ({steps / max(batches_per_epoch, 1):.1f} epochs) in "
-        f"{result['seconds']:.1f} s ({per_step:.0f} ms/step, validation included)"
+        f"\namp-plus train {result['task']}: {result['precision']}{master} on {result['accelerator']}{devices}, "
+        f"{result['data']} data, {plural(steps, 'step')} ({epochs}) in {result['seconds']:.1f} s ({per_step:.0f} "
+        "ms/step, validation included)"
     )
     accuracy = result["val_acc"]
     shown = "not measured" if accuracy is None else f"{accuracy:.3f} (chance {_CHANCE[result['task']]:.2f})"

@@ -30,7 +30,8 @@ class CifarCNN(pl.LightningModule):
 
     A batch is ``(images float[B, C, H, W], labels long[B])``. Logged metrics: ``train/loss`` and ``train/acc`` (per
     step and per epoch; the loss on the progress bar), ``val/loss`` and ``val/acc``, ``test/loss`` and ``test/acc``
-    (per epoch).
+    (per epoch). Under DDP the epoch values are over every process: the losses are logged with ``sync_dist=True``,
+    the accuracies are torchmetrics metrics, which gather their state themselves.
 
     Args:
         num_classes: output classes (>= 2).
@@ -108,7 +109,9 @@ class CifarCNN(pl.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss, logits, labels = self._loss(batch)
         self.train_acc(logits, labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        # sync_dist: under DDP the epoch mean is taken over every process (the step value is averaged too: one
+        # scalar all-reduce a step, next to the gradients' own), as Lightning asks of epoch-level tensor metrics.
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
         return loss
 

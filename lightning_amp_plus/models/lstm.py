@@ -35,7 +35,9 @@ class ImdbLSTM(pl.LightningModule):
     A batch is ``(tokens long[B, T], lengths long[B], labels float[B] or long[B])``, as
     :func:`~lightning_amp_plus.data._collate.pad_collate` makes; a length of 0 is read as one padding token. Logged
     metrics: ``train/loss`` and ``train/acc`` (per step and per epoch; the loss on the progress bar), ``val/loss`` and
-    ``val/acc``, ``test/loss`` and ``test/acc`` (per epoch).
+    ``val/acc``, ``test/loss`` and ``test/acc`` (per epoch). Under DDP the epoch values are over every process: the
+    losses are logged with ``sync_dist=True``, the accuracies are torchmetrics metrics, which gather their state
+    themselves.
 
     Args:
         vocab_size: token ids are ``0 .. vocab_size - 1``.
@@ -137,7 +139,9 @@ class ImdbLSTM(pl.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, probabilities, labels = self._loss(batch)
         self.train_acc(probabilities, labels)
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        # sync_dist: under DDP the epoch mean is taken over every process (the step value is averaged too: one
+        # scalar all-reduce a step, next to the gradients' own), as Lightning asks of epoch-level tensor metrics.
+        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, sync_dist=True)
         self.log("train/acc", self.train_acc, on_step=True, on_epoch=True)
         return loss
 

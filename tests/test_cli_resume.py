@@ -1,0 +1,125 @@
+"""`amp-plus train --ckpt-dir DIR [--resume]` through the real entry point: continue a run, never mix two runs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import usage_error
+from processes import amp_plus
+
+# 32 images in batches of 8: 4 steps an epoch.
+TINY = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu",
+        "--threads", "1", "--precision", "16-mixed"]  # fmt: skip
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+def saved_step(checkpoint: Path) -> int:
+    return int(torch.load(checkpoint, map_location="cpu", weights_only=True)["global_step"])
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A checkpoint folder of a 6-step run: stopped by --max-steps in the middle of its second epoch."""
+    folder = tmp_path_factory.mktemp("base") / "ckpt"
+    done = amp_plus("train", *TINY, "--max-steps", "6", "--ckpt-dir", str(folder), timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert saved_step(folder / "last.ckpt") == 6
+    return folder
+
+
+@pytest.fixture
+def ckpt(six_steps: Path, tmp_path: Path) -> Path:
+    """A copy of the 6-step run's folder, for a test to change (a moved folder, as Lightning's checkpoint sees it)."""
+    return Path(shutil.copytree(six_steps, tmp_path / "ckpt"))
+
+
+def test_resume_continues_from_last_ckpt_to_the_new_target_says_so_and_overwrites_only_last_ckpt(ckpt: Path) -> None:
+    before = snapshot(ckpt)
+    done = amp_plus("train", *TINY, "--max-steps", "12", "--ckpt-dir", str(ckpt), "--resume", timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from {ckpt / 'last.ckpt'} at step 6: 6 steps more, to step 12" in done.stdout
+    assert "12 steps (3.0 epochs; 6 in this run, resumed at step 6)" in done.stdout
+    assert "MixedPrecisionMonitor: 6 optimizer steps" in done.stdout  # this run's steps, not a restart from 0
+    after = snapshot(ckpt)
+    assert saved_step(ckpt / "last.ckpt") == 12  # last.ckpt is the continued run's, not a last-v1.ckpt beside it
+    assert "last-v1.ckpt" not in after and "epoch=2-step=12.ckpt" in after
+    # Nothing else was rewritten: a file of the first run is either as it was or rotated out (the latest epoch's
+    # checkpoint is kept, as in an uninterrupted run).
+    changed = [name for name in before if name in after and after[name] != before[name]]
+    assert changed == ["last.ckpt"]
+    # On again, by epochs this time: to the end of epoch 5 (step 20), not steps short.
+    done = amp_plus("train", *TINY, "--epochs", "5", "--ckpt-dir", str(ckpt), "--resume", timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "resuming from" in done.stdout and "to step 20" in done.stdout
+    assert "20 steps (5.0 epochs; 8 in this run, resumed at step 12)" in done.stdout
+    assert saved_step(ckpt / "last.ckpt") == 20
+
+
+def test_a_ckpt_dir_holding_a_run_is_refused_before_any_training_naming_resume(ckpt: Path) -> None:
+    before = {path: path.stat().st_mtime_ns for path in ckpt.iterdir()}
+    done = amp_plus("train", *TINY, "--max-steps", "12", "--ckpt-dir", str(ckpt), timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"amp-plus train: error: --ckpt-dir {ckpt} already holds epoch=1-step=6.ckpt, ")
+    assert f"add --resume (it continues from {ckpt / 'last.ckpt'})" in done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert {path: path.stat().st_mtime_ns for path in ckpt.iterdir()} == before  # nothing touched
+
+
+@pytest.mark.parametrize(
+    ("make", "argv", "fragment"),
+    [
+        ("nothing", ["--ckpt-dir", "{folder}", "--resume"], "--resume: --ckpt-dir {folder} does not exist, so there is "
+         "no run to continue ({folder}/last.ckpt is missing). Drop --resume to start a new run there"),
+        ("empty", ["--ckpt-dir", "{folder}", "--resume"], "--ckpt-dir {folder} is empty, so there is no run"),
+        ("other", ["--ckpt-dir", "{folder}", "--resume"], "--ckpt-dir {folder} holds no last.ckpt, so there is no run"),
+        ("other", ["--ckpt-dir", "{folder}"], "--ckpt-dir {folder} already holds notes.txt: a new run would put its "
+         "checkpoints beside them (and write its last.ckpt as last-v1.ckpt). It has no last.ckpt for --resume"),
+        ("nothing", ["--resume"], "--resume continues the run saved in a --ckpt-dir folder: give --ckpt-dir DIR"),
+    ],
+)  # fmt: skip
+def test_resume_without_a_run_to_continue_is_a_clear_error(
+    make: str, argv: list[str], fragment: str, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ckpt"
+    if make != "nothing":
+        folder.mkdir()
+    if make == "other":
+        (folder / "notes.txt").write_text("mine")
+    done = amp_plus("train", *TINY, *(part.format(folder=folder) for part in argv), timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert fragment.format(folder=folder) in done.stderr and done.stderr.count("\n") == 1
+    assert not folder.exists() if make == "nothing" else (folder / "last.ckpt").exists() is False
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--max-steps", "12", "--width", "3"], "was saved by a run set up differently: --width 2 there, 3 here. A "
+         "resumed run continues the same model, data and precision"),
+        (["--max-steps", "12", "--batch-size", "4"], "--batch-size 8 there, 4 here"),
+        (["--max-steps", "12", "--precision", "bf16-mixed"], "--precision '16-mixed' there, 'bf16-mixed' here"),
+        (["--max-steps", "6"], "is at step 6 already, and this run ends at step 6, so there is nothing left to train. "
+         "Ask for more: --max-steps above 6"),
+        (["--epochs", "1"], "and this run ends at step 4, so there is nothing left to train"),
+    ],
+)  # fmt: skip
+def test_resume_that_cannot_continue_the_saved_run_is_refused_before_training(
+    argv: list[str], fragment: str, ckpt: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning.pytorch as pl
+
+    def fit(*args: object, **kwargs: object) -> None:
+        raise AssertionError("training started before the checkpoint was checked")
+
+    monkeypatch.setattr(pl.Trainer, "fit", fit)
+    before = snapshot(ckpt)
+    tiny = [arg for arg in TINY if arg not in ("--precision", "16-mixed")] if "--precision" in argv else TINY
+    err = usage_error(["train", *tiny, *argv, "--ckpt-dir", str(ckpt), "--resume"], capsys)
+    assert fragment in err, err
+    assert snapshot(ckpt) == before
