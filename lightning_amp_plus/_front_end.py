@@ -6,6 +6,7 @@ value and the fix), the guard a precision gets, and how the guard learns where t
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,7 @@ __all__ = [
     "check_skip_limit",
     "default_device",
     "guard_for",
+    "plugin_str",
     "refuse_for_half_weights",
     "refuse_removed_options",
     "refuse_sharded_master_weights",
@@ -247,3 +249,23 @@ def refuse_removed_options(name: str, half_modules: object, fp32_grad_accumulati
             f"`{name}(fp32_grad_accumulation={fp32_grad_accumulation!r})` was removed in 0.2: gradients are always "
             "accumulated in FP32 now, as under Lightning's *-mixed. Drop fp32_grad_accumulation."
         )
+
+
+def plugin_str(plugin: Any) -> str:
+    """``str()`` of a Trainer plugin: ``MixedPrecisionPlugin('bf16-mixed')``, with the fix where pytorch_lightning asks.
+
+    ``pytorch_lightning.Trainer`` (Lightning's older package name, a copy of ``lightning.pytorch`` with its own
+    classes) checks plugins against its own ``Precision`` and refuses ours with "Found invalid type for plugin
+    {plugin}. Expected one of: ...": formatting ``{plugin}`` is the one thing it does with the plugin, so the plugin's
+    ``str`` says what to import instead, there only (f-string formatting reaches ``__str__`` from C code: the Python
+    frame above is the caller's).
+    """
+    name = f"{type(plugin).__name__}({plugin.precision!r})"
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    if caller.startswith("pytorch_lightning."):
+        return (
+            f"{name}, a plugin for the `lightning` package: import the Trainer with `from lightning.pytorch import "
+            "Trainer` (`pytorch_lightning` is Lightning's older package name, and its Trainer accepts only its own "
+            "plugins)"
+        )
+    return name

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _plugin_state
-from lightning_amp_plus._front_end import DEFAULT_SKIPS
+from lightning_amp_plus._front_end import DEFAULT_SKIPS, plugin_str
 from lightning_amp_plus.numerics.engine import EngineReadings
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.precision import MixedPrecisionPlugin, unwrap
@@ -91,6 +91,9 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         self.master_weights = master_weights
         # FSDPPrecision's own hooks (inputs, tensor and module initialisation) read this: FP32 in the mixed modes.
         self._desired_input_dtype = torch.float32
+
+    def __str__(self) -> str:
+        return plugin_str(self)  # names the fix where pytorch_lightning's Trainer refuses the plugin
 
     # ------------------------------------------------------------------------------------------------ settings
     @property  # type: ignore[override]

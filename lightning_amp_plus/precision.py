@@ -43,6 +43,7 @@ from lightning_amp_plus._front_end import (
     check_skip_limit,
     default_device,
     guard_for,
+    plugin_str,
     refuse_for_half_weights,
     refuse_removed_options,
     refuse_sharded_master_weights,
@@ -162,6 +163,9 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._fp32_hooks: list[RemovableHandle] = []
         self._update_pending = False
         self._checkpoint_key = type(self).__qualname__
+
+    def __str__(self) -> str:
+        return plugin_str(self)  # names the fix where pytorch_lightning's Trainer refuses the plugin
 
     # ------------------------------------------------------------------------------------------------ the scaler
     @property
