@@ -302,6 +302,7 @@ class MixedPrecisionMonitor(Callback):
 
     def summary(self) -> str:
         """The one-paragraph summary of the run so far (what ``fit`` prints at its end)."""
+        self.history.notes = self._source.notes()
         return summary(self.history)
 
     def write_chart(self, path: str | Path | None = None) -> Path:
@@ -540,6 +541,9 @@ class _StepSource(Protocol):
     def take(self) -> list[StepResult]:
         """The steps taken since the last call, in order."""
 
+    def notes(self) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything."""
+
 
 class _EngineSteps:
     """The package's plugins: the engine records every optimizer step's result (nothing is read off the scale)."""
@@ -568,6 +572,18 @@ class _EngineSteps:
         steps = self.engine.results_since(self._next)
         self._next = self.engine.steps_taken  # consumed: never reported twice
         return steps
+
+    def notes(self) -> list[str]:
+        footprints = self.engine.footprints()
+        if not footprints:
+            return []
+        per_parameter = sum(f.weights + f.compensation + f.states for f in footprints) / max(
+            sum(f.parameters for f in footprints), 1
+        )
+        return [
+            f"bf16 weights compensated ({self.engine.compensation}): {per_parameter:.1f} bytes per parameter of "
+            "weights, compensation and optimizer state"
+        ]
 
 
 class _ScaleReadSteps:
@@ -609,6 +625,9 @@ class _ScaleReadSteps:
             )
             for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
         ]
+
+    def notes(self) -> list[str]:
+        return []
 
 
 def _source_for(plugin: Any, trainer: pl.Trainer) -> _StepSource:

@@ -70,6 +70,8 @@ class AmpHistory:
     """The monitor's autopsies (``numerics.autopsy.Autopsy``), oldest first."""
     headroom: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
+    notes: list[str] = field(default_factory=list)
+    """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
 
     @property
     def skipped(self) -> list[int]:
@@ -131,6 +133,7 @@ def summary(history: AmpHistory) -> str:
     memory = [r.memory_mb for r in records if r.memory_mb is not None]
     if memory:
         parts.append(f"peak {history.memory_kind} {max(memory):,.0f} MB")
+    parts.extend(history.notes)
     parts.extend(_autopsy_and_headroom(history))
     found = [event for event in history.nonfinite_events if event[1] != _ROUTINE]
     if found:
@@ -159,11 +162,13 @@ def _autopsy_and_headroom(history: AmpHistory) -> list[str]:
 
 
 def _headroom_sentence(step: int, reading: dict[str, Any]) -> str:
-    dtype = str(next(iter(reading.values())).dtype).removeprefix("torch.")
-    tightest, layer = min(reading.items(), key=lambda item: item[1].headroom_bits[dtype])
+    # float16's and float8_e4m3fn's ranges are the ones activations can outgrow (bfloat16's is float32's).
+    tightest, layer = min(reading.items(), key=lambda item: item[1].headroom_bits["float16"])
+    bits = layer.headroom_bits
     text = (
         f"headroom at step {step}: the tightest layer is `{tightest or 'model'}` (activations up to "
-        f"{layer.act_absmax:.3g}, {layer.headroom_bits[dtype]:.1f} bits below {dtype}'s largest value)"
+        f"{layer.act_absmax:.3g}: {bits['float16']:.1f} bits below float16's largest value, "
+        f"{bits['float8_e4m3fn']:.1f} below float8_e4m3fn's)"
     )
     flushed = [(name, entry) for name, entry in reading.items() if entry.grad_flushed_pct == entry.grad_flushed_pct]
     if flushed:

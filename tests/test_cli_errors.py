@@ -20,7 +20,7 @@ SOURCE_LINE = re.compile(r"\.py:\d+")  # how Python words a warning's origin: /p
     ("argv", "error"),
     [
         (["train", "--precision", "fp16"], "amp-plus train: error: argument --precision: invalid choice: 'fp16'; did "
-         "you mean '16-mixed'? (choose from 'auto', '32-true', '16-mixed', 'bf16-mixed')"),
+         "you mean '16-mixed'? (choose from 'auto', '32-true', '16-mixed', 'bf16-mixed', 'bf16-true')"),
         (["train", "--precision", "bf16"], "invalid choice: 'bf16'; did you mean 'bf16-mixed'?"),
         (["train", "--precision", "FP32"], "invalid choice: 'FP32'; did you mean '32-true'?"),
         (["train", "--precision=float16"], "invalid choice: 'float16'; did you mean '16-mixed'?"),

@@ -50,7 +50,8 @@ def test_compare_prints_one_table_and_writes_csv_markdown_and_chart(
 
     markdown = paths["md"].read_text().splitlines()
     assert markdown[0] == (
-        "| config | step ms (median) | vs 32-true | peak memory MB | final train loss | val acc | skipped steps |"
+        "| config | step ms (median) | vs 32-true | peak memory MB | bytes/param | final train loss | val acc "
+        "| skipped steps |"
     )
     assert [line.split(" | ")[0] for line in markdown[2:7]] == [f"| {name}" for name in CONFIGS]
     footer = "\n".join(markdown[7:])

@@ -314,3 +314,13 @@ def test_under_fsdp2_the_buffers_follow_the_parameters_sharding(ranks: list[dict
     # The same training as DDP's, sharded: the same compensated updates of the same averaged gradients.
     ddp = scenario(ranks, "ddp")[0]
     torch.testing.assert_close(rank0["params"], ddp["params"], rtol=0, atol=0)
+
+
+def test_the_monitors_summary_says_how_the_bf16_weights_were_kept_and_what_they_cost() -> None:
+    from lightning_amp_plus import MixedPrecisionMonitor
+
+    monitor = MixedPrecisionMonitor(log_memory=False)
+    train(Student(), bf16_true("kahan"), steps=3, callbacks=[monitor])
+    # AdamW: a bf16 weight (2), a bf16 Kahan buffer (2), a bf16 first moment (2), an FP32 second moment (4), and the
+    # step counters (4 bytes per parameter tensor: a little above 10).
+    assert "bf16 weights compensated (kahan): 10.0 bytes per parameter" in monitor.summary()

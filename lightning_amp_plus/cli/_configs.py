@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["COMPARE_DEFAULT", "SETUPS", "PrecisionSetup"]
+__all__ = ["BF16_TRUE", "COMPARE_DEFAULT", "SETUPS", "PrecisionSetup"]
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,7 @@ class PrecisionSetup:
             (:class:`~lightning_amp_plus.MixedPrecisionPlugin`).
         master_weights: ours with FP32 master weights.
         label: how tables and charts name it.
+        compensation: ours with ``bf16-true``: ``"kahan"`` or ``"stochastic"`` compensated bf16 weights.
 
     Example:
         >>> SETUPS["ours-bf16-mixed-master"].master_weights, SETUPS["lightning-bf16-true"].label
@@ -34,6 +35,7 @@ class PrecisionSetup:
     plugin: Literal["none", "lightning", "ours"]
     master_weights: bool = False
     label: str = ""
+    compensation: Literal["kahan", "stochastic"] | None = None
 
     def trainer_kwargs(self, device: str, scaler_options: dict[str, Any] | None = None) -> dict[str, Any]:
         """What to pass to ``Trainer`` for this set-up; ``scaler_options`` (``init_scale``...) configure fp16's scaler.
@@ -49,11 +51,12 @@ class PrecisionSetup:
         """
         if self.plugin == "none":
             return {"precision": self.precision}
-        if self.precision not in ("16-mixed", "bf16-mixed"):
+        if self.precision not in ("16-mixed", "bf16-mixed") and self.compensation is None:
             raise ValueError(
                 f"set-up {self.name!r}: a precision plugin needs a mixed precision, not {self.precision!r}."
             )
         options = scaler_options or {}
+        mixed: Literal["16-mixed", "bf16-mixed"] = "16-mixed" if self.precision == "16-mixed" else "bf16-mixed"
         if self.plugin == "lightning":
             import torch
             from lightning.pytorch.plugins.precision import MixedPrecision
@@ -61,12 +64,14 @@ class PrecisionSetup:
             scaler = None
             if self.precision == "16-mixed" and options:
                 scaler = torch.amp.GradScaler(device, **options)
-            return {"plugins": [MixedPrecision(self.precision, device, scaler=scaler)]}
+            return {"plugins": [MixedPrecision(mixed, device, scaler=scaler)]}
         from lightning_amp_plus.numerics.scaler import DynamicLossScaler
         from lightning_amp_plus.precision import MixedPrecisionPlugin
 
         ours = DynamicLossScaler(**options) if self.precision == "16-mixed" and options else None
-        plugin = MixedPrecisionPlugin(self.precision, device, ours, master_weights=self.master_weights)
+        if self.compensation is not None:
+            return {"plugins": [MixedPrecisionPlugin("bf16-true", device, compensation=self.compensation)]}
+        plugin = MixedPrecisionPlugin(mixed, device, ours, master_weights=self.master_weights)
         return {"plugins": [plugin]}
 
 
@@ -81,9 +86,22 @@ SETUPS: dict[str, PrecisionSetup] = {
         PrecisionSetup("ours-bf16-mixed", "bf16-mixed", "ours", label="ours bf16-mixed"),
         PrecisionSetup("ours-16-mixed-master", "16-mixed", "ours", True, "ours 16-mixed + master weights"),
         PrecisionSetup("ours-bf16-mixed-master", "bf16-mixed", "ours", True, "ours bf16-mixed + master weights"),
+        PrecisionSetup(
+            "ours-bf16-true-kahan", "bf16-true", "ours", label="ours bf16-true + Kahan", compensation="kahan"
+        ),
+        PrecisionSetup(
+            "ours-bf16-true-sr",
+            "bf16-true",
+            "ours",
+            label="ours bf16-true + stochastic rounding",
+            compensation="stochastic",
+        ),
     )
 }
-"""Every set-up, by name: fp32, Lightning's built-in modes, ours, ours with FP32 master weights."""
+"""Every set-up, by name: fp32, Lightning's built-in modes, ours, ours with FP32 master weights, compensated bf16."""
 
-COMPARE_DEFAULT = tuple(name for name in SETUPS if name != "lightning-bf16-true")
+BF16_TRUE = ("lightning-bf16-true", "ours-bf16-true-kahan", "ours-bf16-true-sr")
+"""The set-ups with bf16 weights: ``amp-plus compare --configs`` runs them on request."""
+
+COMPARE_DEFAULT = tuple(name for name in SETUPS if name not in BF16_TRUE)
 """What ``amp-plus compare`` runs without ``--configs``: the mixed precisions against fp32 (bf16-true on request)."""

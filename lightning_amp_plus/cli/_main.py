@@ -37,6 +37,7 @@ from lightning_amp_plus.cli._checks import (
 )
 from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
 from lightning_amp_plus.cli._settings import (
+    COMPENSATIONS,
     DEFAULT_TASK,
     PRECISIONS,
     SCALER_MAX_SCALE,
@@ -179,9 +180,18 @@ def build_parser() -> Parser:
         "--precision",
         choices=("auto", *PRECISIONS),
         default="auto",
-        help="auto (default): bf16-mixed on CPU and on GPUs with native bf16, 16-mixed on older GPUs",
+        help="auto (default): bf16-mixed on CPU and on GPUs with native bf16, 16-mixed on older GPUs; bf16-true: "
+        "bf16 weights, compensated (--compensation)",
     )
-    amp.add_argument("--master-weights", action="store_true", help="fp16/bf16 model with FP32 master weights")
+    amp.add_argument(
+        "--master-weights", action="store_true", help="FP32 master weights (a mixed precision; see the docs)"
+    )
+    amp.add_argument(
+        "--compensation",
+        choices=COMPENSATIONS,
+        help="bf16-true: how bf16 weights keep updates smaller than their spacing (default kahan; none: plain "
+        "bf16-true, which loses them)",
+    )
     amp.add_argument(
         "--init-scale",
         type=float_in(SCALER_MIN_SCALE, SCALER_MAX_SCALE, why=_SCALE_WHY),
@@ -202,6 +212,13 @@ def build_parser() -> Parser:
     )
     loop.add_argument(
         "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
+    )
+    loop.add_argument(
+        "--headroom",
+        type=int_in(0),
+        default=0,
+        metavar="N",
+        help="the monitor reads per-layer headroom every N optimizer steps (default 0: never)",
     )
     loop.add_argument(
         "--ckpt-dir",

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
 __all__ = [
+    "COMPENSATIONS",
     "DEFAULT_TASK",
     "MODEL_FLAGS",
     "PRECISIONS",
@@ -44,9 +45,10 @@ class DefaultTask(str):
 
 
 DEFAULT_TASK = DefaultTask(TASKS[0])
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+COMPENSATIONS = ("kahan", "stochastic", "none")
 Task = Literal["cnn", "lstm"]
-PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed"]
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 
 SCALER_MIN_SCALE = 1.0
 """``DynamicLossScaler``'s default ``min_scale`` (a test keeps the two equal): the lowest ``init_scale``."""
@@ -98,6 +100,7 @@ def amp_problem(
     master_weights: bool = False,
     scaler_settings: tuple[str, ...] = (),
     max_consecutive_skips: bool = False,
+    compensation: bool = False,
     flags: bool = False,
     auto: bool = False,
 ) -> str | None:
@@ -108,6 +111,7 @@ def amp_problem(
         master_weights: FP32 master weights were asked for.
         scaler_settings: which of ``init_scale``, ``growth_interval``, ``hysteresis`` were given.
         max_consecutive_skips: a skip limit was given.
+        compensation: a compensation of bf16 weights was given.
         flags: word it for the command line (``--master-weights``) instead of Python (``master_weights=True``).
         auto: ``precision`` is what ``--precision auto`` chose on this machine.
 
@@ -119,16 +123,21 @@ def amp_problem(
     mixed = f"{_Spelling(flags).precision('16-mixed')} or {'bf16-mixed' if flags else repr('bf16-mixed')}"
     if precision not in PRECISIONS:
         return f"{spell.precision(precision)} is not one of {', '.join(PRECISIONS)}."
-    if master_weights and precision == "32-true":
+    if master_weights and precision in ("32-true", "bf16-true"):
         flag = spell.setting("master_weights") + ("" if flags else "=True")
         return (
-            f"{flag} needs {mixed}, not {spell.precision(precision)}: it holds the model in fp16/bf16 with FP32 "
-            f"master copies. Choose a mixed precision, or drop {spell.setting('master_weights')}."
+            f"{flag} needs {mixed}, not {spell.precision(precision)}: it keeps FP32 master weights for half-precision "
+            f"compute. Choose a mixed precision, or drop {spell.setting('master_weights')}."
+        )
+    if compensation and precision != "bf16-true":
+        return (
+            f"{spell.setting('compensation')} compensates bf16 weights, which {spell.precision(precision)} does not "
+            f"hold. Use {_Spelling(flags).precision('bf16-true')}, or drop {spell.setting('compensation')}."
         )
     if scaler_settings and precision != "16-mixed":
         names = " and ".join(spell.setting(name) for name in scaler_settings)
         verb, them = ("configures", "it") if len(scaler_settings) == 1 else ("configure", "them")
-        why = "bf16 has fp32's range and needs no loss scaling" if precision == "bf16-mixed" else "fp32 needs none"
+        why = "bf16 has fp32's range and needs no loss scaling" if "bf16" in precision else "fp32 needs none"
         return (
             f"{names} {verb} the fp16 loss scaler, which {spell.precision(precision)} does not use ({why}). Use "
             f"{_Spelling(flags).precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
@@ -151,8 +160,10 @@ class AmpSettings:
     cannot be written are refused here, at construction, before any training.
 
     Args:
-        precision: ``"32-true"`` (no plugin), ``"16-mixed"`` or ``"bf16-mixed"``.
-        master_weights: hold the model in fp16/bf16 with FP32 master copies in the optimizer (mixed precisions only).
+        precision: ``"32-true"`` (no plugin), ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"`` (bf16 weights).
+        master_weights: FP32 master weights (mixed precisions only; see ``MixedPrecisionPlugin``).
+        compensation: with ``"bf16-true"``: ``"kahan"`` (the default), ``"stochastic"`` or ``"none"`` (Lightning's
+            plain bf16-true, which loses updates smaller than half a bf16 spacing).
         init_scale: the loss scaler's initial scale, in ``[1, 2**24]`` (the scaler's ``min_scale`` and
             ``max_scale``; ``16-mixed`` only).
         growth_interval: clean steps before the scale grows (``16-mixed`` only).
@@ -160,6 +171,7 @@ class AmpSettings:
         max_consecutive_skips: skipped steps in a row (at the scale's floor, for fp16) that stop training with a
             diagnosis; ``0`` never stops (mixed precisions only).
         monitor: attach a ``MixedPrecisionMonitor``.
+        headroom_interval: the monitor reads per-layer headroom every this many optimizer steps (0: never).
         report_path: where the monitor writes its PNG chart at the end of ``fit`` (a ``.png`` path; needs
             matplotlib).
 
@@ -173,19 +185,26 @@ class AmpSettings:
 
     precision: PrecisionName = "bf16-mixed"
     master_weights: bool = False
+    compensation: Literal["kahan", "stochastic", "none"] | None = None
     init_scale: float | None = None
     growth_interval: int | None = None
     hysteresis: int | None = None
     max_consecutive_skips: int | None = None
     monitor: bool = True
     report_path: str | None = None
+    headroom_interval: int = 0
 
     def __post_init__(self) -> None:
+        if self.compensation is not None and self.compensation not in COMPENSATIONS:
+            raise ValueError(
+                f"`AmpSettings(compensation={self.compensation!r})` must be one of {', '.join(COMPENSATIONS)}."
+            )
         problem = amp_problem(
             self.precision,
             master_weights=self.master_weights,
             scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(self, name) is not None),
             max_consecutive_skips=self.max_consecutive_skips is not None,
+            compensation=self.compensation is not None,
         )
         if problem is not None:
             raise ValueError(f"`AmpSettings`: {problem}")
@@ -201,7 +220,12 @@ class AmpSettings:
                     f"{number(SCALER_MAX_SCALE)}]: the loss scaler keeps its scale between its min_scale and "
                     "max_scale (defaults 1 and 2**24)."
                 )
-        for name, minimum in (("growth_interval", 1), ("hysteresis", 1), ("max_consecutive_skips", 0)):
+        for name, minimum in (
+            ("growth_interval", 1),
+            ("hysteresis", 1),
+            ("max_consecutive_skips", 0),
+            ("headroom_interval", 0),
+        ):
             if getattr(self, name) is not None:
                 check_int("AmpSettings", name, getattr(self, name), minimum)
         if self.report_path is not None:
@@ -222,8 +246,14 @@ class AmpSettings:
         if self.precision == "16-mixed":
             options = {name: getattr(self, name) for name in _SCALER_FIELDS if getattr(self, name) is not None}
             scaler = DynamicLossScaler(**options, max_consecutive_skips=limit)
+        compensation = {"none": None, None: "auto"}.get(self.compensation, self.compensation)
         plugin = MixedPrecisionPlugin(
-            self.precision, device, scaler, max_consecutive_skips=limit, master_weights=self.master_weights
+            self.precision,
+            device,
+            scaler,
+            max_consecutive_skips=limit,
+            master_weights=self.master_weights,
+            compensation=compensation,  # type: ignore[arg-type]
         )
         return [plugin]
 
@@ -248,6 +278,7 @@ class AmpSettings:
         return (
             self.precision != "bf16-mixed"
             or self.master_weights
+            or self.compensation is not None
             or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, "max_consecutive_skips"))
         )
 
@@ -288,7 +319,7 @@ class AmpSettings:
 
     def _changed(self) -> str:
         defaults = AmpSettings()
-        names = ("precision", "master_weights", *_SCALER_FIELDS, "max_consecutive_skips")
+        names = ("precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips")
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
         )
@@ -299,7 +330,7 @@ class AmpSettings:
             return []
         from lightning_amp_plus.monitor import MixedPrecisionMonitor
 
-        return [MixedPrecisionMonitor(report_path=self.report_path)]
+        return [MixedPrecisionMonitor(report_path=self.report_path, headroom_interval=self.headroom_interval)]
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -312,13 +343,14 @@ def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False
     Example:
         >>> from lightning_amp_plus.cli import build_parser
         >>> print(cli_amp_problem(build_parser().parse_args(["train", "--master-weights"]), "32-true", auto=True))
-        --master-weights needs --precision 16-mixed or bf16-mixed, not --precision auto (32-true here): it holds the model in fp16/bf16 with FP32 master copies. Choose a mixed precision, or drop --master-weights.
+        --master-weights needs --precision 16-mixed or bf16-mixed, not --precision auto (32-true here): it keeps FP32 master weights for half-precision compute. Choose a mixed precision, or drop --master-weights.
     """  # noqa: E501
     return amp_problem(
         precision,
         master_weights=args.master_weights,
         scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(args, name) is not None),
         max_consecutive_skips=args.max_consecutive_skips is not None,
+        compensation=getattr(args, "compensation", None) is not None,
         flags=True,
         auto=auto,
     )

@@ -60,6 +60,7 @@ from lightning_amp_plus.cli._runs import (
     resolve_precision,
 )
 from lightning_amp_plus.cli._settings import model_hparams, task_label, train_settings
+from lightning_amp_plus.numerics.compensated import footprint
 from lightning_amp_plus.precision import skipped_steps
 
 __all__ = [
@@ -128,6 +129,8 @@ class ConfigResult:
         skipped_steps: steps skipped for non-finite gradients.
         seconds: wall time of the run (training and validation).
         ratio: ``step_ms`` over 32-true's (``None`` when 32-true was not run).
+        bytes_per_param: the model's weights, compensation buffers and optimizer state after training, in bytes per
+            parameter, counted from the tensors (``numerics.compensated.footprint``).
     """
 
     config: str
@@ -139,6 +142,7 @@ class ConfigResult:
     skipped_steps: int
     seconds: float
     ratio: float | None = None
+    bytes_per_param: float | None = None
 
 
 class StepTimer(Callback):
@@ -284,7 +288,18 @@ def run_config(spec: RunSpec) -> ConfigResult:
         val_acc=float(metrics["val/acc"]) if "val/acc" in metrics else None,
         skipped_steps=skipped,
         seconds=seconds,
+        bytes_per_param=_bytes_per_param(trainer),
     )
+
+
+def _bytes_per_param(trainer: pl.Trainer) -> float | None:
+    """Weights + compensation + optimizer state per parameter, counted from the tensors (one optimizer)."""
+    engine = getattr(trainer.precision_plugin, "engine", None)
+    footprints = [] if engine is None else engine.footprints()
+    if footprints:
+        per_parameter: float = footprints[0].per_parameter
+        return per_parameter
+    return footprint(trainer.optimizers[0]).per_parameter if trainer.optimizers else None
 
 
 def _trainer(spec: RunSpec, config: PrecisionSetup, timer: StepTimer) -> pl.Trainer:
@@ -329,6 +344,7 @@ _COLUMNS = (
     ("step_ms", "step ms (median)"),
     ("ratio", "vs 32-true"),
     ("peak_memory_mb", "peak memory MB"),
+    ("bytes_per_param", "bytes/param"),
     ("final_train_loss", "final train loss"),
     ("val_acc", "val acc"),
     ("skipped_steps", "skipped steps"),
@@ -340,7 +356,7 @@ def _cell(key: str, value: Any) -> str:
         return "-"
     if key == "ratio":
         return f"{value:.2f}x"
-    if key in ("step_ms", "peak_memory_mb"):
+    if key in ("step_ms", "peak_memory_mb", "bytes_per_param"):
         return f"{value:,.1f}"
     if key in ("final_train_loss", "val_acc"):
         return f"{value:.3f}"
@@ -356,8 +372,8 @@ def format_table(results: list[ConfigResult], footer: list[str]) -> str:
 
     Example:
         >>> print(format_table([ConfigResult("32-true", 4, 10.0, 1.5, 0.7, 0.5, 0, 1.0, 1.0)], ["note"]))
-        config   step ms (median)  vs 32-true  peak memory MB  final train loss  val acc  skipped steps
-        32-true              10.0       1.00x             1.5             0.700    0.500              0
+        config   step ms (median)  vs 32-true  peak memory MB  bytes/param  final train loss  val acc  skipped steps
+        32-true              10.0       1.00x             1.5            -             0.700    0.500              0
         note
     """
     header = [title for _, title in _COLUMNS]
@@ -376,7 +392,7 @@ def to_markdown(results: list[ConfigResult], footer: list[str]) -> str:
 
     Example:
         >>> print(to_markdown([ConfigResult("32-true", 4, 10.0, None, 0.7, 0.5, 0, 1.0, 1.0)], []).splitlines()[2])
-        | 32-true | 10.0 | 1.00x | - | 0.700 | 0.500 | 0 |
+        | 32-true | 10.0 | 1.00x | - | - | 0.700 | 0.500 | 0 |
     """
     header = [title for _, title in _COLUMNS]
     lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]

@@ -67,7 +67,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.model_summary:
         model.example_input_array = example_input(args.task, datamodule)  # measured sizes and FLOPs, not zeros
     batches = batches_per_rank(datamodule.train_dataloader(), args.devices)
-    record = RunRecord({"task": str(args.task), "precision": precision, "master_weights": amp.master_weights})
+    record = RunRecord(
+        {
+            "task": str(args.task),
+            "precision": precision,
+            "master_weights": amp.master_weights,
+            "compensation": amp.compensation,
+        }
+    )
     resume = None
     if args.resume:
         target = _target_step(args, settings, batches)
@@ -138,6 +145,7 @@ def _result(
         "data": args.data,
         "precision": precision,
         "master_weights": amp.master_weights,
+        "compensation": amp.compensation,
         "accelerator": device,
         "devices": args.devices,
         "steps": trainer.global_step,
@@ -258,7 +266,9 @@ def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSett
             growth_interval=args.growth_interval,
             hysteresis=args.hysteresis,
             max_consecutive_skips=args.max_consecutive_skips,
+            compensation=args.compensation,
             report_path=args.report,
+            headroom_interval=args.headroom,
         )
     except (ValueError, ImportError) as error:  # the flags were checked as flags: this is a last line of defence
         raise UsageError(str(error)) from None
@@ -272,7 +282,7 @@ def _start_line(
     amp: AmpSettings,
     batches: int,
 ) -> str:
-    master = ", master weights" if amp.master_weights else ""
+    master = _weights_note(precision, amp.master_weights, amp.compensation)
     devices = f" x {args.devices}" if args.devices > 1 else ""
     length = (
         plural(args.max_steps, "step")
@@ -287,11 +297,18 @@ def _start_line(
     )
 
 
+def _weights_note(precision: str, master_weights: bool, compensation: str | None) -> str:
+    if precision == "bf16-true":
+        method = compensation or "kahan"
+        return ", plain bf16 weights" if method == "none" else f", bf16 weights compensated ({method})"
+    return ", master weights" if master_weights else ""
+
+
 def _print_result(result: dict[str, Any], batches_per_epoch: int) -> None:
     steps, resumed_at = result["steps"], result["resumed_at"]
     this_run = steps - (resumed_at or 0)
     per_step = 1000 * result["seconds"] / max(this_run, 1)
-    master = ", master weights" if result["master_weights"] else ""
+    master = _weights_note(result["precision"], result["master_weights"], result["compensation"])
     devices = f" x {result['devices']}" if result["devices"] > 1 else ""
     epochs = f"{steps / max(batches_per_epoch, 1):.1f} epochs"
     if resumed_at is not None:
