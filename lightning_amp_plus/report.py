@@ -297,18 +297,51 @@ def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
     highest to its lowest value), the skipped steps so far (only when a step was skipped), the gradient norm, and
     memory (on a zero-based axis, so that a flat line looks flat). Above each panel: its last value and, when the
     series does not have a drawn value on every step, why (recorded on some steps only: memory on the steps
-    Lightning logs; not finite on skipped steps). Skipped steps are marked in red in every panel. What was not
-    measured is said in the subtitle instead of being drawn on an empty axis. The x axis is whole steps. With
+    Lightning logs; not finite on skipped steps). Skipped steps are marked in red in every panel; a step the monitor
+    made an autopsy of is labelled A1, A2... on the top panel, and what each found is written under the panels. What
+    was not measured is said in the subtitle instead of being drawn on an empty axis. The x axis is whole steps. With
     several optimizers per batch, a batch is one point: its first scale, the global gradient norm over the
     optimizers, the largest memory.
+
+    With headroom readings, the last one is drawn below: per layer, how many bits its activations stay below
+    float16's and float8_e4m3fn's largest values (red under 2 bits, where an overflow is near), and the percent of its
+    gradient values that the half dtype flushes to zero or makes subnormal at the loss scale of the reading.
     """
-    return _save(_run_figure(history), path)
+    return _save(_whole_figure(history), path)
 
 
-def _run_figure(history: AmpHistory) -> Any:
+def _whole_figure(history: AmpHistory) -> Any:
+    reading = history.headroom[-1] if history.headroom and history.headroom[-1][1] else None
+    autopsies = history.autopsies
+    if reading is None and not autopsies:
+        return _run_figure(history)
+    panels = _run_panels(history)
+    layers = 0 if reading is None else min(len(reading[1]), _HEADROOM_LAYERS)
+    heights = [2.4 * max(1, len(panels)) + 0.9]
+    if reading is not None:
+        heights.append(0.28 * layers + 1.6)
+    if autopsies:
+        heights.append(0.6 + 0.18 * sum(len(_wrapped(a.message)) + 0.5 for a in autopsies[:_AUTOPSIES_SHOWN]))
+    figure = _figure(figsize=(9, sum(heights)))
+    parts = figure.subfigures(len(heights), 1, height_ratios=heights, squeeze=False)[:, 0]
+    axes = _run_figure(history, parts[0])
+    if autopsies and axes:
+        _mark_autopsies(axes[0], autopsies)
+    if reading is not None:
+        _headroom_panels(parts[1], *reading)
+    if autopsies:
+        _autopsy_notes(parts[-1], autopsies)
+    return figure
+
+
+def _run_panels(history: AmpHistory) -> list[tuple[str, list[float | None], str]]:
+    return _panels_and_notes(history)[0]
+
+
+def _panels_and_notes(history: AmpHistory) -> tuple[list[tuple[str, list[float | None], str]], list[str]]:
+    """The series worth a panel (label, one value per batch, kind) and, for the others, why not."""
     batches = _batches(history.steps)
     skipped_steps = [b.step for b in batches if b.skipped]
-    xs = [b.step for b in batches]
     norm_label = "gradient norm" + (" (all optimizers)" if any(b.optimizers > 1 for b in batches) else "")
     candidates: list[tuple[str, list[float | None], str]] = [
         ("loss scale", [b.scale for b in batches], "log2"),
@@ -326,10 +359,19 @@ def _run_figure(history: AmpHistory) -> Any:
             notes.append(_not_measured(label, kind))
         else:
             panels.append((label, values, kind))
-    figure = _figure(figsize=(9, 2.4 * max(1, len(panels)) + 0.9))
+    return panels, notes
+
+
+def _run_figure(history: AmpHistory, target: Any = None) -> Any:
+    """The time-series panels, drawn on ``target`` (a subfigure) or on a figure of their own (returned)."""
+    batches = _batches(history.steps)
+    skipped_steps = [b.step for b in batches if b.skipped]
+    xs = [b.step for b in batches]
+    panels, notes = _panels_and_notes(history)
+    figure = _figure(figsize=(9, 2.4 * max(1, len(panels)) + 0.9)) if target is None else target
     if not batches:
         figure.suptitle("lightning-amp-plus: no optimizer step was taken", fontsize=11)
-        return figure
+        return figure if target is None else []
     title = f"lightning-amp-plus: {plural(len(history.steps), 'optimizer step')}"
     if len(batches) != len(history.steps):
         title += f" in {plural(len(batches), 'batch', 'batches')}"
@@ -339,7 +381,7 @@ def _run_figure(history: AmpHistory) -> Any:
         axis = figure.subplots()
         axis.set_axis_off()
         axis.text(0.5, 0.5, "nothing was measured", ha="center", va="center", transform=axis.transAxes)
-        return figure
+        return figure if target is None else []
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for axis, (label, values, kind) in zip(axes, panels, strict=True):
         _draw_series(axis, xs, values, kind, skipped_steps)
@@ -349,7 +391,85 @@ def _run_figure(history: AmpHistory) -> Any:
         figure.legend(*axes[0].get_legend_handles_labels(), loc="outside upper right", fontsize=8)
     axes[-1].set_xlabel("optimizer step (global step)")
     _step_axis(axes[-1], xs)
-    return figure
+    return figure if target is None else list(axes)
+
+
+# ---------------------------------------------------------------------------------------- autopsies, headroom
+_HEADROOM_LAYERS = 24  # the layers drawn: the tightest ones, in model order
+_AUTOPSIES_SHOWN = 3
+_NEAR_BITS = 2.0  # activations within this many bits of a format's largest value are drawn red
+
+
+def _wrapped(text: str, width: int = 118) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width=width) or [""]
+
+
+def _mark_autopsies(axis: Any, autopsies: Sequence[Any]) -> None:
+    """A1, A2... at the autopsied steps of the top panel (the list of what each found is under the panels)."""
+    for number, found in enumerate(autopsies[:_AUTOPSIES_SHOWN], start=1):
+        axis.axvline(found.step, color="black", linestyle=":", linewidth=1)
+        axis.annotate(
+            f"A{number}", (found.step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
+            textcoords="offset points", fontsize=8, fontweight="bold",
+        )  # fmt: skip
+
+
+def _autopsy_notes(figure: Any, autopsies: Sequence[Any]) -> None:
+    lines = []
+    for number, found in enumerate(autopsies[:_AUTOPSIES_SHOWN], start=1):
+        wrapped = _wrapped(found.message)
+        lines.append(f"A{number} {wrapped[0]}")
+        lines.extend("     " + line for line in wrapped[1:])
+    if len(autopsies) > _AUTOPSIES_SHOWN:
+        lines.append(f"... and {len(autopsies) - _AUTOPSIES_SHOWN} more (monitor.autopsies)")
+    figure.suptitle("overflow autopsies: where a skipped step's inf/NaN started, and what to do", fontsize=10)
+    axis = figure.subplots()
+    axis.set_axis_off()
+    axis.text(0.0, 1.0, "\n".join(lines), va="top", ha="left", fontsize=8, family="monospace")
+
+
+def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
+    """The last headroom reading: bits of activation range left per layer, and gradients lost at the scale."""
+    names = list(reading)
+    if len(names) > _HEADROOM_LAYERS:  # the tightest ones, kept in model order
+        tightest = set(sorted(names, key=lambda n: reading[n].headroom_bits["float16"])[:_HEADROOM_LAYERS])
+        names = [name for name in names if name in tightest]
+    layers = [reading[name] for name in names]
+    labels = [name or "model" for name in names]
+    dtype = str(layers[0].dtype).removeprefix("torch.")
+    scale = layers[0].scale
+    figure.suptitle(
+        f"headroom at step {step} (an FP32 replay of the batch), {dtype} at loss scale {_scale_text(scale)}",
+        fontsize=10,
+    )
+    bits_axis, lost_axis = figure.subplots(1, 2, sharey=True, width_ratios=[3, 2])
+    rows = list(range(len(names)))
+    width = 0.38
+    for offset, fmt, color in ((-width / 2, "float16", "tab:blue"), (width / 2, "float8_e4m3fn", "tab:purple")):
+        bits = [layer.headroom_bits[fmt] for layer in layers]
+        colors = ["tab:red" if b < _NEAR_BITS else color for b in bits]
+        bits_axis.barh([r + offset for r in rows], bits, height=width, color=colors, label=f"to {fmt}'s max")
+    bits_axis.axvline(0, color="black", linewidth=0.8)
+    bits_axis.axvline(_NEAR_BITS, color="tab:red", linewidth=0.8, linestyle="--")
+    bits_axis.set_xlabel("activations: bits below the format's largest value (red: under 2)")
+    bits_axis.set_yticks(rows, labels, fontsize=7)
+    bits_axis.invert_yaxis()
+    bits_axis.legend(fontsize=7, loc="lower right")
+    flushed = [_percent(layer.grad_flushed_pct) for layer in layers]
+    subnormal = [_percent(layer.grad_subnormal_pct) for layer in layers]
+    lost_axis.barh(rows, flushed, color="tab:red", label="flushed to zero")
+    lost_axis.barh(rows, subnormal, left=flushed, color="tab:orange", label="subnormal")
+    lost_axis.set_xlabel(f"gradients lost in {dtype} (%)")
+    lost_axis.set_xlim(0, max(1.0, max(f + n for f, n in zip(flushed, subnormal, strict=True)) * 1.15))
+    lost_axis.legend(fontsize=7, loc="lower right")
+    for axis in (bits_axis, lost_axis):
+        axis.grid(True, axis="x", alpha=0.3)
+
+
+def _percent(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
 
 
 def _step_axis(axis: Any, xs: list[int]) -> None:

@@ -215,3 +215,31 @@ def test_fabric_observe_with_a_replay_makes_the_autopsy_and_the_headroom_reading
     assert [(a.kind, a.module) for a in monitor.autopsies] == [("forward", "blocks.1.fc")]
     assert [step for step, _ in monitor.history.headroom] == [1, 3]
     assert not isinstance(model.forward, nn.Module) and plugin._suspended is False  # the wrapper's autocast is back
+
+
+# ------------------------------------------------------------------------------------------------------- chart
+def texts_of(figure: Any) -> list[str]:
+    found = [text.get_text() for text in figure.findobj(lambda a: hasattr(a, "get_text"))]
+    return [text for text in found if text]
+
+
+def test_the_chart_marks_the_autopsy_says_what_it_found_and_draws_the_headroom_of_each_layer(tmp_path: Path) -> None:
+    from lightning_amp_plus import report
+
+    monitor = MixedPrecisionMonitor(headroom_interval=4, report_path=tmp_path / "run.png")
+    fit(Faulty("forward", fault_batches=(3,)), fp16(), monitor, steps=8)
+    assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    texts = texts_of(report._whole_figure(monitor.history))
+    assert "A1" in texts  # the marker on the top panel
+    assert any(text.startswith("A1 step 3: layer `model.blocks.0.fc` (Linear)") for text in texts)
+    assert {"model.blocks.0.fc", "model.head"} <= set(texts)  # one bar row per layer
+    assert any(text.startswith("headroom at step 7") for text in texts)
+
+
+def test_a_chart_without_autopsy_or_headroom_is_the_run_chart_alone() -> None:
+    from lightning_amp_plus import report
+
+    monitor = MixedPrecisionMonitor()
+    fit(Faulty(), fp16(), monitor, steps=3)
+    texts = texts_of(report._whole_figure(monitor.history))
+    assert not any("headroom" in text or "autops" in text for text in texts)
