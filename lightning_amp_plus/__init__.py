@@ -4,7 +4,7 @@ The public names load on first use (PEP 562): ``import lightning_amp_plus`` alon
 so the ``amp-plus`` command answers ``--help`` at once. ``from lightning_amp_plus import MixedPrecisionPlugin`` works
 as usual. A new public name is one line in ``_HOMES`` (where it lives) and one in ``__all__``.
 
-Example:
+Examples:
     >>> from lightning_amp_plus import DynamicLossScaler
     >>> DynamicLossScaler().get_scale()
     65536.0

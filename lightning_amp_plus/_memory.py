@@ -34,7 +34,7 @@ def cuda_memory_mb(device: torch.device) -> dict[str, float]:
 def process_rss_mb() -> float:
     """The process's resident memory now (Linux), or its peak where the current value cannot be read, in MB.
 
-    Example:
+    Examples:
         >>> process_rss_mb() > 0
         True
     """
@@ -54,7 +54,7 @@ def peak_rss_mb() -> float | None:
 
     ``None`` where ``/proc/self/status`` cannot be read.
 
-    Example:
+    Examples:
         >>> peak_rss_mb() >= process_rss_mb() * 0.99
         True
     """

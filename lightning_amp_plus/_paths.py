@@ -44,7 +44,7 @@ def check_output_file(
     file is created and removed in the nearest existing folder. ``suffixes`` (lower case, with the dot) are the
     endings the writer's format needs, ``kind`` names that format in the message.
 
-    Example:
+    Examples:
         >>> check_output_file("/proc/x.png", "--report")
         Traceback (most recent call last):
         ...
@@ -85,7 +85,7 @@ def _example(suffixes: tuple[str, ...], folder: Path | None = None) -> str:
 def check_output_dir(path: str | os.PathLike[str], argument: str) -> Path:
     """Raise ``ValueError`` unless ``path`` is a folder files can be written to, or one that can be created; return it.
 
-    Example:
+    Examples:
         >>> check_output_dir("/proc/ckpt", "--ckpt-dir")
         Traceback (most recent call last):
         ...
@@ -106,7 +106,7 @@ def check_output_dir(path: str | os.PathLike[str], argument: str) -> Path:
 def check_data_dir(path: str | os.PathLike[str], argument: str, download: bool) -> Path:
     """Raise ``ValueError`` unless ``path`` can hold a dataset: an existing folder, or (to download) a creatable one.
 
-    Example:
+    Examples:
         >>> check_data_dir(__file__, "--data-dir", download=False)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...

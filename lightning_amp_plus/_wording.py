@@ -14,7 +14,7 @@ __all__ = ["number", "plural", "shown", "spans"]
 def plural(count: int, word: str, many: str | None = None) -> str:
     """``count`` with ``word`` in the number it needs.
 
-    Example:
+    Examples:
         >>> plural(1, "step"), plural(0, "step"), plural(2, "non-finite event"), plural(3, "process", "processes")
         ('1 step', '0 steps', '2 non-finite events', '3 processes')
     """
@@ -24,7 +24,7 @@ def plural(count: int, word: str, many: str | None = None) -> str:
 def spans(values: list[int], limit: int = 6) -> str:
     """Sorted integers written as runs (``0-3, 7 and 12``), at most ``limit`` runs, then how many more steps.
 
-    Example:
+    Examples:
         >>> spans([0, 1, 2, 3, 7, 12])
         '0-3, 7 and 12'
         >>> spans([1, 3, 5, 7, 9], limit=2)
@@ -46,7 +46,7 @@ def spans(values: list[int], limit: int = 6) -> str:
 def number(value: float) -> str:
     """``value`` as a person writes it: whole numbers in full (up to 2**53), others in ``%g`` form.
 
-    Example:
+    Examples:
         >>> number(2.0**24), number(0.5), number(1e308)
         ('16777216', '0.5', '1e+308')
     """
@@ -58,7 +58,7 @@ def number(value: float) -> str:
 def shown(argument: str, value: object) -> str:
     """How a user wrote ``argument``: ``--report x.png`` on the command line, ``report_path='x.png'`` in Python.
 
-    Example:
+    Examples:
         >>> from pathlib import Path
         >>> shown("--report", "x.png"), shown("report_path", Path("x.png"))
         ('--report x.png', "report_path='x.png'")

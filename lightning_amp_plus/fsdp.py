@@ -51,7 +51,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         max_consecutive_skips: skipped steps in a row that stop training with a diagnosis.
         master_weights: FP32 sharded parameters with half compute (FSDP's ``MixedPrecision``, see above).
 
-    Example:
+    Examples:
         >>> plugin = FSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
         >>> plugin.mixed_precision_config.param_dtype, plugin.mixed_precision_config.reduce_dtype
         (torch.bfloat16, torch.float32)

@@ -109,7 +109,7 @@ class MixedPrecisionMonitor(Callback):
         autopsy_limit: the most autopsies per run (>= 1).
         headroom_interval: read per-layer headroom every this many optimizer steps (0: never).
 
-    Example:
+    Examples:
         >>> from lightning import Trainer
         >>> monitor = MixedPrecisionMonitor(check_interval=10, on_nonfinite="stop")
         >>> trainer = Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False)

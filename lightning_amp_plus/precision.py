@@ -108,7 +108,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         engine: the :class:`~lightning_amp_plus.numerics.engine.StepEngine` doing the step's numerics.
         recent_steps: the last optimizer steps' results, newest last (up to 1024 kept).
 
-    Example:
+    Examples:
         >>> from lightning import Trainer
         >>> plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu")
         >>> trainer = Trainer(plugins=[plugin], accelerator="cpu", logger=False, enable_progress_bar=False)
@@ -473,7 +473,7 @@ def skipped_steps(source: pl.Trainer | Precision) -> int | None:
     counting them: ``None``, not a number that may be wrong. Any other plugin never skips a step (``32-true``, bf16
     without a scaler): 0.
 
-    Example:
+    Examples:
         >>> from lightning.pytorch.plugins.precision import MixedPrecision
         >>> skipped_steps(MixedPrecisionPlugin("bf16-mixed")), skipped_steps(MixedPrecision("16-mixed", "cpu"))
         (0, None)

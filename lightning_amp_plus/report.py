@@ -91,7 +91,7 @@ def summary(history: AmpHistory) -> str:
     Skips under a loss scaler are fp16 overflows, routine while the scale finds its level, and are said to be;
     non-finite values the monitor found itself (in parameters, or in gradients nothing guarded) are counted apart.
 
-    Example:
+    Examples:
         >>> h = AmpHistory([StepRecord(0, 65536.0, True, None, None), StepRecord(1, 32768.0, False, 1.5, None)])
         >>> h.nonfinite_events.append((0, "overflowed gradients", ["w"]))
         >>> print(summary(h))
@@ -202,7 +202,7 @@ def _matplotlib_installed() -> bool:
 def require_matplotlib(argument: str = "report_path") -> None:
     """Raise a clear ``ImportError`` now if a chart could not be drawn later; ``argument`` is what asked for one.
 
-    Example:
+    Examples:
         >>> require_matplotlib("--png")  # installed here: nothing happens
     """
     if not _matplotlib_installed():
@@ -225,7 +225,7 @@ def check_chart_path(path: str | os.PathLike[str], argument: str = "report_path"
         ValueError: the path cannot take the chart; the message names ``argument``, the value and the fix.
         ImportError: matplotlib is not installed.
 
-    Example:
+    Examples:
         >>> check_chart_path("runs/amp.png")
         PosixPath('runs/amp.png')
         >>> check_chart_path("amp", "--report")
@@ -542,7 +542,7 @@ def _coverage_note(
 ) -> str:
     """What the panel's points are, when they are not every step: where the series was recorded, what is not drawn.
 
-    Example:
+    Examples:
         >>> _coverage_note(list(range(40)), [(9, 1.0), (19, 1.0), (29, 1.0), (39, 1.0)], [9, 19, 29, 39], [], "")
         'recorded on 4 of 40 steps: every 10th, from step 9'
         >>> _coverage_note([0, 1, 2, 3], [(0, 1.0), (1, math.inf), (2, math.inf), (3, 1.0)], [0, 3], [1, 2], "")
@@ -597,7 +597,7 @@ def _tick_exponents(bottom: int, top: int, most: int = 9) -> list[int]:
     The line's own ends are labelled: the scale it started from and the floor it reached, which a locator choosing
     round numbers on its own may leave out (2**15..2**1 on a line from 2**16 to 2**0).
 
-    Example:
+    Examples:
         >>> _tick_exponents(0, 16)
         [0, 2, 4, 6, 8, 10, 12, 14, 16]
         >>> _tick_exponents(0, 24)

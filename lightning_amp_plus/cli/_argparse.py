@@ -40,7 +40,7 @@ ALIASES = {
 def did_you_mean(value: str, choices: Iterable[str], cutoff: float = 0.6) -> str | None:
     """The choice ``value`` most likely meant: an alias, the same word in other case, or the closest spelling.
 
-    Example:
+    Examples:
         >>> did_you_mean("fp16", ["auto", "32-true", "16-mixed", "bf16-mixed"])
         '16-mixed'
         >>> did_you_mean("cnns", ["cnn", "lstm"]), did_you_mean("--precison", ["--precision", "--seed"])
@@ -67,7 +67,7 @@ class Parser(argparse.ArgumentParser):
     argparse prints the whole usage (some twenty lines for ``amp-plus train``) before the one line that matters;
     here that line comes alone, with "did you mean" when a flag, subcommand or choice is a near miss.
 
-    Example:
+    Examples:
         >>> parser = Parser(prog="amp-plus")
         >>> _ = parser.add_argument("--precision", choices=["32-true", "16-mixed"])
         >>> parser.parse_args(["--precision", "fp16"])  # doctest: +SKIP
@@ -98,7 +98,7 @@ class Parser(argparse.ArgumentParser):
     def parse_command(self, argv: Sequence[str]) -> argparse.Namespace:
         """``parse_args``, with arguments nobody knows refused by the subcommand they were given to, near misses named.
 
-        Example:
+        Examples:
             >>> parser = Parser(prog="amp-plus")
             >>> _ = parser.add_argument("--seed", type=int)
             >>> parser.parse_command(["--seed", "3"]).seed
@@ -122,7 +122,7 @@ class Parser(argparse.ArgumentParser):
     def unknown_flags(self, tokens: Sequence[str]) -> list[str]:
         """The ``--flags`` among ``tokens`` this parser does not know, neither whole nor as an unambiguous prefix.
 
-        Example:
+        Examples:
             >>> parser = Parser(prog="amp-plus train")
             >>> _ = parser.add_argument("--precision")
             >>> parser.unknown_flags(["--prec", "16-mixed", "--precison", "--", "--anything"])
@@ -141,7 +141,7 @@ class Parser(argparse.ArgumentParser):
     def unrecognized(self, extras: Sequence[str]) -> str:
         """The error for arguments this parser does not know: each named, the closest flag suggested.
 
-        Example:
+        Examples:
             >>> parser = Parser(prog="amp-plus train")
             >>> _ = parser.add_argument("--precision")
             >>> print(parser.unrecognized(["--precison", "16-mixed"]))

@@ -28,7 +28,7 @@ class UsageError(Exception):
 
     The command prints it as one paragraph on stderr and exits with code 2, before any work starts.
 
-    Example:
+    Examples:
         >>> str(UsageError("--master-weights needs a mixed precision"))
         '--master-weights needs a mixed precision'
     """
@@ -45,7 +45,7 @@ class RunFailed(Exception):
 def int_in(minimum: int, maximum: int | None = None, why: str = "") -> Callable[[str], int]:
     """An argparse ``type``: an integer in ``[minimum, maximum]``; ``why`` explains the maximum.
 
-    Example:
+    Examples:
         >>> int_in(0, 9)("3")
         3
         >>> int_in(1)("0")
@@ -73,7 +73,7 @@ def float_in(
 ) -> Callable[[str], float]:
     """An argparse ``type``: a finite number between ``low`` and ``high`` (either end open); ``why`` explains them.
 
-    Example:
+    Examples:
         >>> float_in(0.0, 1.0, high_open=True)("0.5")
         0.5
         >>> float_in(1.0, 2.0**24, why=" (the loss scaler's range)")("0.5")
@@ -110,7 +110,7 @@ def check_ckpt_dir(ckpt_dir: str | None, resume: bool) -> None:
     Raises:
         ValueError: the message names the flag, the folder and what to do.
 
-    Example:
+    Examples:
         >>> check_ckpt_dir(None, resume=True)
         Traceback (most recent call last):
         ...

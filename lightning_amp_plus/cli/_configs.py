@@ -25,7 +25,7 @@ class PrecisionSetup:
         label: how tables and charts name it.
         compensation: ours with ``bf16-true``: ``"kahan"`` or ``"stochastic"`` compensated bf16 weights.
 
-    Example:
+    Examples:
         >>> SETUPS["ours-bf16-mixed-master"].master_weights, SETUPS["lightning-bf16-true"].label
         (True, 'Lightning bf16-true')
     """
@@ -43,7 +43,7 @@ class PrecisionSetup:
         The same options reach ``torch.amp.GradScaler`` (Lightning's) and ``DynamicLossScaler`` (ours): both take
         ``init_scale``, ``growth_factor``, ``backoff_factor`` and ``growth_interval``.
 
-        Example:
+        Examples:
             >>> type(SETUPS["lightning-bf16-mixed"].trainer_kwargs("cpu")["plugins"][0]).__name__
             'MixedPrecision'
             >>> SETUPS["32-true"].trainer_kwargs("cpu")

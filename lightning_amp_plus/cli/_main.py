@@ -156,7 +156,7 @@ def build_parser() -> Parser:
 
     Its errors come first, on one paragraph, with "did you mean" for near misses (:class:`~._argparse.Parser`).
 
-    Example:
+    Examples:
         >>> build_parser().parse_args(["train", "lstm", "--precision", "16-mixed"]).precision
         '16-mixed'
     """
@@ -259,7 +259,7 @@ def check_request(args: argparse.Namespace) -> None:
     Raises:
         UsageError: with the message to print.
 
-    Example:
+    Examples:
         >>> check_request(build_parser().parse_args(["train", "--report", "amp.txt"]))
         Traceback (most recent call last):
         ...
@@ -328,7 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     0 on success; 2 (as ``SystemExit``) for a usage error, before any work; 130 after Ctrl-C; 1 when a run stopped
     with a diagnosis.
 
-    Example:
+    Examples:
         >>> main(["doctor", "--no-benchmark", "--json"])  # doctest: +ELLIPSIS
         {...
         0

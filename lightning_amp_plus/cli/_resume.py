@@ -36,7 +36,7 @@ _FLAGS = frozenset(
 class RunRecord(Callback):
     """Saves what ``amp-plus train`` was asked for (task, precision, master weights) in the run's checkpoints.
 
-    Example:
+    Examples:
         >>> RunRecord({"task": "cnn", "precision": "bf16-mixed", "master_weights": False}).state_dict()["task"]
         'cnn'
     """
@@ -71,7 +71,7 @@ class ResumePoint:
     def line(self) -> str:
         """What the command says before training.
 
-        Example:
+        Examples:
             >>> ResumePoint(Path("ckpt/last.ckpt"), 6, 12).line()
             'resuming from ckpt/last.ckpt at step 6: 6 steps more, to step 12'
         """
@@ -132,7 +132,7 @@ def _load(path: Path) -> dict[str, Any]:
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     """``"--width 2 there, 16 here"`` for each setting both know and that differs (free settings aside).
 
-    Example:
+    Examples:
         >>> _differences({"width": 2, "num_workers": 0, "task": "cnn"}, {"width": 16, "num_workers": 4, "task": "lstm"})
         ["the model 'cnn' there, 'lstm' here", '--width 2 there, 16 here']
     """

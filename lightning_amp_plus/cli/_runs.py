@@ -45,7 +45,7 @@ _T = TypeVar("_T")
 def resolve_accelerator(accelerator: str) -> str:
     """``"cpu"`` or ``"cuda"``: ``"auto"`` picks CUDA when there is one; CUDA requested without one is an error.
 
-    Example:
+    Examples:
         >>> resolve_accelerator("cpu")
         'cpu'
     """
@@ -63,7 +63,7 @@ def resolve_accelerator(accelerator: str) -> str:
 def check_devices(device: str, devices: int) -> None:
     """Refuse more CUDA devices than there are (on CPU, each device is a process: any number runs).
 
-    Example:
+    Examples:
         >>> check_devices("cpu", 3)
     """
     if device == "cuda" and devices > torch.cuda.device_count():
@@ -79,7 +79,7 @@ def resolve_precision(precision: str, device: str) -> PrecisionName:
     A requested half dtype must really run under autocast on ``device`` (tested with a tiny matmul), and bf16 on a GPU
     must be native: emulated bf16 on pre-Ampere GPUs is far slower than fp16. ``"bf16-true"`` is checked as bf16.
 
-    Example:
+    Examples:
         >>> resolve_precision("auto", "cpu")
         'bf16-mixed'
     """
@@ -126,7 +126,7 @@ def build_datamodule(
     A real data module has its data prepared and set up here, so that a missing dataset is reported before any
     training starts (``DatasetUnavailableError``) and the IMDB vocabulary size is known.
 
-    Example:
+    Examples:
         >>> build_datamodule("lstm", num_train=8, num_val=4, max_len=6).vocab_size
         1000
     """
@@ -156,7 +156,7 @@ def build_datamodule(
 def build_model(task: Task, datamodule: pl.LightningDataModule, **hparams: Any) -> pl.LightningModule:
     """The shipped model of ``task`` (``CifarCNN`` or ``ImdbLSTM``, sized to ``datamodule``), with ``hparams``.
 
-    Example:
+    Examples:
         >>> dm = build_datamodule("cnn", num_train=8, num_val=4)
         >>> build_model("cnn", dm, width=4).hparams["width"]
         4

@@ -115,7 +115,7 @@ def amp_problem(
         flags: word it for the command line (``--master-weights``) instead of Python (``master_weights=True``).
         auto: ``precision`` is what ``--precision auto`` chose on this machine.
 
-    Example:
+    Examples:
         >>> print(amp_problem("bf16-mixed", scaler_settings=("init_scale",), flags=True))
         --init-scale configures the fp16 loss scaler, which --precision bf16-mixed does not use (bf16 has fp32's range and needs no loss scaling). Use --precision 16-mixed, or drop --init-scale.
     """  # noqa: E501
@@ -175,7 +175,7 @@ class AmpSettings:
         report_path: where the monitor writes its PNG chart at the end of ``fit`` (a ``.png`` path; needs
             matplotlib).
 
-    Example:
+    Examples:
         >>> settings = AmpSettings("16-mixed", init_scale=1024.0)
         >>> [type(p).__name__ for p in settings.plugins()], settings.plugins()[0].scaler.get_scale()
         (['MixedPrecisionPlugin'], 1024.0)
@@ -260,7 +260,7 @@ class AmpSettings:
     def trainer_kwargs(self, device: str | None = None) -> dict[str, Any]:
         """``precision="32-true"``, or the plugin: what to pass to ``Trainer`` (besides the callbacks).
 
-        Example:
+        Examples:
             >>> AmpSettings("32-true").trainer_kwargs()
             {'precision': '32-true'}
         """
@@ -271,7 +271,7 @@ class AmpSettings:
     def configures_the_plugin(self) -> bool:
         """Whether any plugin setting differs from its default (the precision ``bf16-mixed``, everything else unset).
 
-        Example:
+        Examples:
             >>> AmpSettings().configures_the_plugin(), AmpSettings("16-mixed").configures_the_plugin()
             (False, True)
         """
@@ -292,7 +292,7 @@ class AmpSettings:
         Raises:
             ValueError: ``trainer`` sets the precision and so do these settings; the message says which flag to use.
 
-        Example:
+        Examples:
             >>> kwargs = AmpSettings().trainer_arguments({"precision": "16-mixed"})
             >>> kwargs["plugins"], [type(c).__name__ for c in kwargs["callbacks"]]
             (None, ['MixedPrecisionMonitor'])
@@ -340,7 +340,7 @@ def _as_list(value: Any) -> list[Any]:
 def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False) -> str | None:
     """:func:`amp_problem` for ``amp-plus train``'s flags, worded as flags.
 
-    Example:
+    Examples:
         >>> from lightning_amp_plus.cli import build_parser
         >>> print(cli_amp_problem(build_parser().parse_args(["train", "--master-weights"]), "32-true", auto=True))
         --master-weights needs --precision 16-mixed or bf16-mixed, not --precision auto (32-true here): it keeps FP32 master weights for half-precision compute. Choose a mixed precision, or drop --master-weights.
@@ -362,7 +362,7 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
     Raises:
         ValueError: a flag of the other model, or a synthetic-data size with ``--data real``.
 
-    Example:
+    Examples:
         >>> from lightning_amp_plus.cli import build_parser
         >>> train_settings(build_parser().parse_args(["train", "lstm", "--hidden-dim", "8"]))["hidden_dim"]
         8
@@ -393,7 +393,7 @@ def train_settings(args: argparse.Namespace) -> dict[str, Any]:
 def task_label(args: argparse.Namespace, command: str) -> str:
     """How a command's first line names its model: ``cnn``, or, when none was named, ``cnn`` and that it was chosen.
 
-    Example:
+    Examples:
         >>> task_label(argparse.Namespace(task=DEFAULT_TASK), "train")
         'cnn (no model named, so the default; `amp-plus train lstm` trains the other)'
         >>> task_label(argparse.Namespace(task="cnn"), "train")
@@ -408,7 +408,7 @@ def task_label(args: argparse.Namespace, command: str) -> str:
 def model_hparams(task: Task, settings: dict[str, Any]) -> dict[str, Any]:
     """The model's keyword arguments among ``settings`` (the data's ``max_len`` is not one).
 
-    Example:
+    Examples:
         >>> model_hparams("cnn", {"lr": 0.1, "width": 8, "epochs": 2})
         {'lr': 0.1, 'width': 8}
     """

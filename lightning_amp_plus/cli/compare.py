@@ -84,7 +84,7 @@ Config = PrecisionSetup
 CONFIGS: dict[str, PrecisionSetup] = SETUPS
 """Every set-up ``--configs`` accepts, by name.
 
-Example:
+Examples:
     >>> CONFIGS["ours-bf16-mixed-master"].master_weights
     True
 """
@@ -98,7 +98,7 @@ _LOSS_WINDOW = 5  # the final train loss is the mean over this many last steps: 
 class RunSpec:
     """Everything one configuration's run needs; plain values, so it travels to a worker process as JSON.
 
-    Example:
+    Examples:
         >>> spec = RunSpec("cnn", "32-true", steps=4, warmup=1, data={"num_train": 8}, model={"width": 4})
         >>> RunSpec(**json.loads(json.dumps(asdict(spec)))) == spec
         True
@@ -152,7 +152,7 @@ class StepTimer(Callback):
     which counts none, a skipped step is the one after which the scale went down. Scale reads and loss reads happen
     outside the timed span.
 
-    Example:
+    Examples:
         >>> StepTimer("cpu").median_ms(warmup=0)
         nan
     """
@@ -199,7 +199,7 @@ class StepTimer(Callback):
 def memory_method(device: str, isolated: bool) -> str:
     """How the peak-memory column was measured, for the table's footer.
 
-    Example:
+    Examples:
         >>> memory_method("cuda", isolated=False)
         'peak memory: torch.cuda.max_memory_allocated during training and validation, reset before each configuration'
     """
@@ -249,7 +249,7 @@ def _quiet() -> Iterator[None]:
 def run_config(spec: RunSpec) -> ConfigResult:
     """Train and validate one configuration in this process.
 
-    Example:
+    Examples:
         >>> spec = RunSpec("cnn", "ours-bf16-mixed", steps=2, warmup=1, data={"num_train": 8, "num_val": 4,
         ...                "batch_size": 4}, model={"width": 2})
         >>> result = run_config(spec)
@@ -370,7 +370,7 @@ def _rows(results: list[ConfigResult]) -> list[list[str]]:
 def format_table(results: list[ConfigResult], footer: list[str]) -> str:
     """The results as an aligned text table, then the footer lines.
 
-    Example:
+    Examples:
         >>> print(format_table([ConfigResult("32-true", 4, 10.0, 1.5, 0.7, 0.5, 0, 1.0, 1.0)], ["note"]))
         config   step ms (median)  vs 32-true  peak memory MB  bytes/param  final train loss  val acc  skipped steps
         32-true              10.0       1.00x             1.5            -             0.700    0.500              0
@@ -390,7 +390,7 @@ def format_table(results: list[ConfigResult], footer: list[str]) -> str:
 def to_markdown(results: list[ConfigResult], footer: list[str]) -> str:
     """The results as a Markdown table, then the footer as a list.
 
-    Example:
+    Examples:
         >>> print(to_markdown([ConfigResult("32-true", 4, 10.0, None, 0.7, 0.5, 0, 1.0, 1.0)], []).splitlines()[2])
         | 32-true | 10.0 | 1.00x | - | - | 0.700 | 0.500 | 0 |
     """

@@ -59,7 +59,7 @@ class DeviceReport:
         tflops: dtype name -> measured matmul throughput in TFLOP/s (``None`` when not measured).
         matmul_size: dtype name -> the square matrix size the throughput was measured at.
 
-    Example:
+    Examples:
         >>> cpu = DeviceReport("cpu", None, "a CPU", {}, {"float16": True, "bfloat16": True}, {}, {"float32": 0.1})
         >>> cpu.label
         'cpu'
@@ -82,7 +82,7 @@ class DeviceReport:
     def speedup(self, dtype: str) -> float | None:
         """Measured ``dtype`` matmul throughput over fp32 (``None`` if either was not measured).
 
-        Example:
+        Examples:
             >>> DeviceReport("cpu", None, "x", {}, {}, {}, {"float32": 2.0, "bfloat16": 1.0}).speedup("bfloat16")
             0.5
         """
@@ -101,7 +101,7 @@ class Recommendation:
         code: the Trainer argument that applies it.
         reasons: one sentence per decision.
 
-    Example:
+    Examples:
         >>> Recommendation("cpu", "32-true", False, 'Trainer(precision="32-true")', ["why"]).precision
         '32-true'
     """
@@ -117,7 +117,7 @@ class Recommendation:
 def cpu_name() -> str:
     """The CPU model as the OS names it (``platform.processor()`` where ``/proc/cpuinfo`` is missing).
 
-    Example:
+    Examples:
         >>> isinstance(cpu_name(), str) and cpu_name() != ""
         True
     """
@@ -146,7 +146,7 @@ def autocast_supported(device: str, dtype: torch.dtype) -> tuple[bool, str]:
     Autocast falls back to fp32 with a warning for a dtype it does not support on a device, so the result's dtype is
     checked, not just the absence of an error.
 
-    Example:
+    Examples:
         >>> autocast_supported("cpu", torch.bfloat16)
         (True, '')
     """
@@ -172,7 +172,7 @@ def matmul_tflops(device: str, dtype: torch.dtype, budget_s: float = 0.3, max_si
     such as fp16 on most CPUs, is measured on smaller matrices instead of taking seconds), then products are repeated
     until ``budget_s`` has passed.
 
-    Example:
+    Examples:
         >>> tflops, size = matmul_tflops("cpu", torch.float32, budget_s=0.05, max_size=128)
         >>> tflops > 0, size
         (True, 128)
@@ -225,7 +225,7 @@ def _probe(
 def collect(benchmark: bool = True) -> list[DeviceReport]:
     """Probe the CPU and every CUDA device: names, autocast support, and (``benchmark``) matmul throughput.
 
-    Example:
+    Examples:
         >>> [report.kind for report in collect(benchmark=False)][:1]
         ['cpu']
     """
@@ -260,7 +260,7 @@ def recommend(report: DeviceReport) -> Recommendation:
     * ``master_weights=True`` on CUDA: the model in the half dtype, FP32 masters in the optimizer: no per-forward
       weight casts and a lower forward/backward peak (the autocast copies of the weights are gone).
 
-    Example:
+    Examples:
         >>> old_gpu = DeviceReport("cuda", 0, "Tesla V100", {"capability": "7.0", "bf16_native": False},
         ...                        {"float16": True, "bfloat16": True}, {}, {"float32": 14.0, "float16": 100.0})
         >>> recommend(old_gpu).precision
@@ -359,7 +359,7 @@ def _recommend_cpu(report: DeviceReport) -> Recommendation:
 def report_dict(reports: list[DeviceReport]) -> dict[str, Any]:
     """The doctor's findings as JSON-ready data: versions, devices, a recommendation per device, and the one to use.
 
-    Example:
+    Examples:
         >>> cpu = DeviceReport("cpu", None, "x", {}, {"float16": True, "bfloat16": True}, {}, {"float32": 1.0})
         >>> report_dict([cpu])["recommended"]["precision"]
         '32-true'

@@ -163,7 +163,7 @@ def batches_per_rank(loader: DataLoader[Any], devices: int) -> int:
     Lightning gives each process a ``DistributedSampler`` (``drop_last=False``): ``ceil(samples / devices)`` samples
     each, the last batch short unless the loader drops it.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import TensorDataset
         >>> loader = DataLoader(TensorDataset(torch.zeros(2048, 1)), batch_size=64)
         >>> batches_per_rank(loader, 1), batches_per_rank(loader, 2), batches_per_rank(loader, 3)

@@ -3,7 +3,7 @@
 Names are imported lazily, so that ``import lightning_amp_plus.data`` does not import torchvision until a CIFAR-10
 module is used.
 
-Example:
+Examples:
     >>> from lightning_amp_plus.data import SyntheticCIFAR10DataModule
     >>> SyntheticCIFAR10DataModule.__name__
     'SyntheticCIFAR10DataModule'

@@ -28,7 +28,7 @@ def pad_collate(
     Returns:
         ``(tokens, lengths, labels)``: ``long[B, T]``, ``long[B]`` and ``float[B]``, with ``T`` the longest length.
 
-    Example:
+    Examples:
         >>> tokens, lengths, labels = pad_collate([(torch.tensor([5, 6, 7]), 1), (torch.tensor([8]), 0)])
         >>> tokens.tolist(), lengths.tolist(), labels.tolist()
         ([[5, 6, 7], [8, 0, 0]], [3, 1], [1.0, 0.0])

@@ -22,7 +22,7 @@ __all__ = ["ArchiveSpec", "CorruptArchiveError", "DatasetUnavailableError", "ens
 class DatasetUnavailableError(RuntimeError):
     """A real dataset could not be found, downloaded or read; the message says where it looked and what to do instead.
 
-    Example:
+    Examples:
         >>> issubclass(DatasetUnavailableError, RuntimeError)
         True
     """
@@ -31,7 +31,7 @@ class DatasetUnavailableError(RuntimeError):
 class CorruptArchiveError(DatasetUnavailableError):
     """A dataset archive or folder exists but fails its checksum or lacks files it must have.
 
-    Example:
+    Examples:
         >>> issubclass(CorruptArchiveError, DatasetUnavailableError)
         True
     """
@@ -51,7 +51,7 @@ class ArchiveSpec:
         model: the shipped model trained on it by ``amp-plus train`` (``"cnn"`` or ``"lstm"``), for the same message.
         example_file: a file of the extracted tree, relative to ``folder``, to show where things go when placed by hand.
 
-    Example:
+    Examples:
         >>> spec = ArchiveSpec("Toy", "https://example.org/toy.tar.gz", "toy.tar.gz", "0" * 32, "toy", "ToyDM", "a.txt")
         >>> spec.folder
         'toy'
@@ -70,7 +70,7 @@ class ArchiveSpec:
 def file_md5(path: Path) -> str:
     """The md5 hex digest of a file, read in 1 MiB chunks.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as tmp:
         ...     path = Path(tmp) / "x"
@@ -178,7 +178,7 @@ def ensure_dataset(
         DatasetUnavailableError: neither folder nor archive exists, and ``download`` is off or the download failed.
         CorruptArchiveError: the folder is incomplete, or the archive fails its md5 check or cannot be extracted.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> spec = ArchiveSpec("Toy", "https://example.org/toy.tar.gz", "toy.tar.gz", "0" * 32, "toy", "ToyDM", "a")
         >>> with tempfile.TemporaryDirectory() as tmp:

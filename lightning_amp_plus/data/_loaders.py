@@ -21,7 +21,7 @@ class SplitDataModule(pl.LightningDataModule):
     (variable-length samples), :meth:`_shuffle_generator` (an order of its own rather than the global RNG's) and
     :meth:`_pin_memory`.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import TensorDataset
         >>> class Ones(SplitDataModule):
         ...     batch_size, num_workers = 2, 0

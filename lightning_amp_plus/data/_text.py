@@ -20,7 +20,7 @@ _TOKEN = re.compile(r"\w+(?:'\w+)*|[^\w\s]")
 def tokenize(text: str) -> list[str]:
     """Split ``text`` into lowercase words and punctuation marks, dropping ``<br />`` line breaks.
 
-    Example:
+    Examples:
         >>> tokenize("Great film!<br /><br />I didn't expect THAT.")
         ['great', 'film', '!', 'i', "didn't", 'expect', 'that', '.']
     """
@@ -33,7 +33,7 @@ class Vocabulary:
     Args:
         tokens: the tokens, ids 0, 1, ... in order; the first two must be ``<pad>`` and ``<unk>``.
 
-    Example:
+    Examples:
         >>> vocab = Vocabulary.build([["a", "b", "a"], ["a", "c", "c"]], max_size=4, min_freq=2)
         >>> vocab.tokens
         ['<pad>', '<unk>', 'a', 'c']
@@ -53,7 +53,7 @@ class Vocabulary:
     def build(cls, documents: Iterable[Sequence[str]], max_size: int, min_freq: int) -> Vocabulary:
         """The ``max_size`` entries (specials included) of tokens seen at least ``min_freq`` times, most frequent first.
 
-        Example:
+        Examples:
             >>> len(Vocabulary.build([["x", "y", "x"]], max_size=10, min_freq=1))
             4
         """
@@ -66,7 +66,7 @@ class Vocabulary:
     def from_counts(cls, counts: Mapping[str, int], max_size: int, min_freq: int) -> Vocabulary:
         """Like :meth:`build`, from token counts already made.
 
-        Example:
+        Examples:
             >>> Vocabulary.from_counts({"b": 2, "a": 2, "c": 1}, max_size=3, min_freq=1).tokens
             ['<pad>', '<unk>', 'a']
         """
@@ -86,7 +86,7 @@ class Vocabulary:
     def encode(self, tokens: Iterable[str]) -> list[int]:
         """The ids of ``tokens``; tokens not in the vocabulary become ``<unk>`` (1).
 
-        Example:
+        Examples:
             >>> Vocabulary(["<pad>", "<unk>", "hi"]).encode(["hi", "there"])
             [2, 1]
         """

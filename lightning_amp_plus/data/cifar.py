@@ -93,7 +93,7 @@ class CIFAR10DataModule(SplitDataModule):
             and with ``download=False`` (or no network) it raises :class:`DatasetUnavailableError`, naming the
             offline alternative ``SyntheticCIFAR10DataModule``.
 
-    Example:
+    Examples:
         >>> dm = CIFAR10DataModule(data_dir="data", batch_size=32, val_size=1000)
         >>> dm.num_classes, dm.batch_size
         (10, 32)
@@ -137,7 +137,7 @@ class CIFAR10DataModule(SplitDataModule):
     def eval_transform(self) -> Callable[[Any], Tensor]:
         """PIL image -> normalised float tensor ``[3, 32, 32]``, for validation and test images.
 
-        Example:
+        Examples:
             >>> from PIL import Image
             >>> image = Image.new("RGB", (32, 32), color=(255, 0, 0))
             >>> CIFAR10DataModule().eval_transform()(image)[:, 0, 0]
@@ -153,7 +153,7 @@ class CIFAR10DataModule(SplitDataModule):
 
         With ``augment=False`` it is :meth:`eval_transform`.
 
-        Example:
+        Examples:
             >>> from PIL import Image
             >>> CIFAR10DataModule().train_transform()(Image.new("RGB", (32, 32))).shape
             torch.Size([3, 32, 32])

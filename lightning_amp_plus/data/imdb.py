@@ -132,7 +132,7 @@ class IMDBDataModule(SplitDataModule):
         pad_index: the id of ``<pad>``, 0.
         vocab: the :class:`~lightning_amp_plus.data._text.Vocabulary`, after :meth:`setup`.
 
-    Example:
+    Examples:
         >>> dm = IMDBDataModule(data_dir="data", max_len=128, vocab_size=5000)
         >>> dm.vocab_size, dm.pad_index
         (5000, 0)

@@ -81,7 +81,7 @@ def synthetic_images(
     noise of std ``noise`` (in [0, 1] pixel units), clipped to [0, 1] and normalised with the CIFAR-10 statistics.
     ``split`` draws a different sample of the same task.
 
-    Example:
+    Examples:
         >>> images, labels = synthetic_images(4, image_size=8, num_classes=2)
         >>> tuple(images.shape), images.dtype, sorted(labels.tolist())
         ((4, 3, 8, 8), torch.float32, [0, 0, 1, 1])
@@ -133,7 +133,7 @@ class SyntheticCIFAR10DataModule(_SyntheticDataModule[TensorDataset]):
         noise: std of the Gaussian pixel noise, in [0, 1] pixel units; higher makes the task harder.
         num_workers: DataLoader worker processes (0 loads in the main process; the data are in memory already).
 
-    Example:
+    Examples:
         >>> data = SyntheticCIFAR10DataModule(num_train=8, num_val=4, image_size=8, batch_size=4)
         >>> data.setup("fit")
         >>> images, labels = next(iter(data.train_dataloader()))
@@ -180,7 +180,7 @@ class SyntheticCIFAR10DataModule(_SyntheticDataModule[TensorDataset]):
 class TokenSequences(Dataset[tuple[Tensor, int]]):
     """Variable-length token sequences and their labels: ``dataset[i]`` is ``(tokens long[L_i], label)``.
 
-    Example:
+    Examples:
         >>> data = TokenSequences([torch.tensor([2, 3]), torch.tensor([4])], [1, 0])
         >>> len(data), data[1]
         (2, (tensor([4]), 0))
@@ -217,7 +217,7 @@ def synthetic_reviews(
     ``[min_len, max_len]``, so a short review holds only a couple of telling words and a review is classified from
     the balance of the whole sequence, not from any single token. Labels are balanced and shuffled.
 
-    Example:
+    Examples:
         >>> reviews = synthetic_reviews(4, vocab_size=50, min_len=3, max_len=6)
         >>> tokens, label = reviews[0]
         >>> tokens.dtype, 3 <= len(tokens) <= 6, sorted(reviews.labels)
@@ -273,7 +273,7 @@ class SyntheticIMDBDataModule(_SyntheticDataModule[TokenSequences]):
         seed: fixes the task, the samples and the training order.
         num_workers: DataLoader worker processes.
 
-    Example:
+    Examples:
         >>> data = SyntheticIMDBDataModule(num_train=8, num_val=4, vocab_size=50, min_len=3, max_len=6, batch_size=4)
         >>> data.vocab_size, data.pad_index
         (50, 0)

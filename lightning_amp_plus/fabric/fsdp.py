@@ -44,7 +44,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     fully sharded, FSDP's default; under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the
     skip decision stays right). Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
 
-    Example:
+    Examples:
         >>> plugin = FSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
         >>> plugin.mixed_precision_config.param_dtype, isinstance(plugin, FSDPPrecision)
         (torch.bfloat16, True)

@@ -93,7 +93,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         engine: the step engine; ``skipped_steps``, ``last_step_skipped``, ``last_grad_norm``,
             ``last_overflow_params`` and ``recent_steps`` read it.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu")
         >>> fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])

@@ -46,7 +46,7 @@ def check_optim_args(
     Returns:
         ``(lr, weight_decay, momentum)`` as Python floats (see :func:`~lightning_amp_plus.numerics.checks.check_real`).
 
-    Example:
+    Examples:
         >>> check_optim_args("CifarCNN", "sgd", "cosine", lr=0.05, weight_decay=5e-4, momentum=0.9)
         (0.05, 0.0005, 0.9)
         >>> check_optim_args("CifarCNN", "lamb", "none", lr=0.05, weight_decay=0.0)
@@ -68,7 +68,7 @@ def check_optim_args(
 def check_dropout(owner: str, value: object) -> float:
     """``value`` as a Python float; raise unless it is a dropout probability in [0, 1).
 
-    Example:
+    Examples:
         >>> check_dropout("ImdbLSTM", 0)
         0.0
         >>> check_dropout("ImdbLSTM", 1.0)
@@ -85,7 +85,7 @@ def parameter_groups(module: nn.Module, weight_decay: float) -> list[dict[str, A
     Decaying a bias or a BatchNorm scale shrinks what normalisation relies on and helps no generalisation (the usual
     practice since Goyal et al. 2017); a parameter with two or more dimensions is a weight.
 
-    Example:
+    Examples:
         >>> groups = parameter_groups(nn.Sequential(nn.Linear(4, 2), nn.BatchNorm1d(2)), weight_decay=0.1)
         >>> [(len(g["params"]), g["weight_decay"]) for g in groups]
         [(1, 0.1), (3, 0.0)]
@@ -104,7 +104,7 @@ def build_optimizer(name: OptimizerName, groups: list[dict[str, Any]], lr: float
 
     ``"adam"`` adds the decay to the gradient (L2), ``"adamw"`` decouples it (Loshchilov & Hutter).
 
-    Example:
+    Examples:
         >>> build_optimizer("adamw", parameter_groups(nn.Linear(2, 1), 0.01), lr=1e-3)
         AdamW (...
     """
@@ -125,7 +125,7 @@ def build_scheduler(name: SchedulerName, optimizer: Optimizer, total_steps: int)
     optimizer's LR then anneals (momentum cycled too, as OneCycleLR does); ``"step"`` divides the LR by 10 at half
     and three quarters of the run. ``"none"`` returns ``None``.
 
-    Example:
+    Examples:
         >>> optimizer = build_optimizer("sgd", parameter_groups(nn.Linear(2, 1), 0.0), lr=0.1)
         >>> config = build_scheduler("cosine", optimizer, total_steps=100)
         >>> type(config["scheduler"]).__name__, config["interval"]
@@ -166,7 +166,7 @@ def configure(
     A schedule spans ``module.trainer.estimated_stepping_batches``, which counts gradient accumulation, ``max_steps``,
     ``limit_train_batches`` and devices as Lightning will.
 
-    Example:
+    Examples:
         >>> from lightning_amp_plus.models import CifarCNN
         >>> type(configure(CifarCNN(), "adam", "none", lr=1e-3, weight_decay=0.0)).__name__
         'Adam'

@@ -47,7 +47,7 @@ class CifarCNN(pl.LightningModule):
         scheduler: ``"none"``, ``"cosine"``, ``"onecycle"`` or ``"step"``, stepped per optimizer step over the
             Trainer's ``estimated_stepping_batches``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> model = CifarCNN(width=8)
         >>> model(torch.randn(2, 3, 32, 32)).shape

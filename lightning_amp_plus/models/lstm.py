@@ -53,7 +53,7 @@ class ImdbLSTM(pl.LightningModule):
         scheduler: ``"none"``, ``"cosine"``, ``"onecycle"`` or ``"step"``, stepped per optimizer step over the
             Trainer's ``estimated_stepping_batches``.
 
-    Example:
+    Examples:
         >>> model = ImdbLSTM(vocab_size=100, embed_dim=8, hidden_dim=16)
         >>> tokens, lengths = torch.tensor([[5, 6, 7], [8, 0, 0]]), torch.tensor([3, 1])
         >>> model(tokens, lengths).shape

@@ -62,7 +62,7 @@ class AbsRange:
         nonfinite: how many values are inf or NaN (exact up to 2**24).
         neg_inf: how many of those are -inf, what attention masks hold.
 
-    Example:
+    Examples:
         >>> AbsRange.of([_summary(torch.tensor([0.0, -3.0, 0.5, float("inf"), -float("inf")]))])
         AbsRange(abs_min=0.5, abs_max=inf, nonfinite=2, neg_inf=1)
     """
@@ -149,7 +149,7 @@ class Autopsy:
             autocast itself, or the module does not run on FP32 inputs).
         min_scale: the lowest loss scale tried (``"backward"`` means non-finite even there).
 
-    Example:
+    Examples:
         >>> record = Autopsy(step=7, kind="scale", module="fc", module_type="Linear", scale=2.0**16,
         ...                  safe_scale=2.0**12, dtype=torch.float16)
         >>> print(record.message)
@@ -313,7 +313,7 @@ def run_autopsy(
         ValueError: a bad argument (the message names it, its value and the fix).
         TypeError: ``run()`` does not return a scalar loss with a gradient.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
         >>> with torch.no_grad():

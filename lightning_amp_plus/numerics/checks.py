@@ -40,7 +40,7 @@ TRACKER_MAX = 2**53
 def show(value: object) -> str:
     """``repr(value)``, with a huge int written as ``~1.000e+400`` (its exact digits would fill the message).
 
-    Example:
+    Examples:
         >>> show(10**400), show(2.5)
         ('~1.000e+400 (an int of 401 digits)', '2.5')
     """
@@ -66,7 +66,7 @@ def is_int(value: object) -> bool:
 def real(value: object) -> float | None:
     """``value`` as a finite float, or ``None`` if it is not a finite real number (bools are not numbers here).
 
-    Example:
+    Examples:
         >>> real(3), real(10**400), real(float("inf")), real(True)
         (3.0, None, None, None)
     """
@@ -128,7 +128,7 @@ def check_int(owner: str, name: str, value: object, minimum: int, hint: str = ""
     means). The Python int is what to keep: a NumPy int is refused by some of torch (``DataLoader(batch_size=...)``)
     and, saved in hyperparameters, makes a checkpoint that ``torch.load(weights_only=True)`` cannot read.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> check_int("CifarCNN", "width", np.int64(8), minimum=1)
         8
@@ -153,7 +153,7 @@ def check_real(owner: str, name: str, value: object, rule: str, within: Callable
     A real number as :func:`real` reads it (NumPy's included, never a bool); ``rule`` completes "must be ...": the
     range in words, with an example or what the boundary value means.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> check_real("CifarCNN", "momentum", np.float32(0.5), "in [0, 1), e.g. 0.9", lambda x: 0 <= x < 1)
         0.5
@@ -173,7 +173,7 @@ def check_nonnegative(owner: str, name: str, value: object, hint: str = "") -> f
 
     ``hint`` is appended to the rule.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> check_nonnegative("SyntheticCIFAR10DataModule", "noise", np.int64(0))
         0.0
@@ -188,7 +188,7 @@ def check_nonnegative(owner: str, name: str, value: object, hint: str = "") -> f
 def check_bool(owner: str, name: str, value: object) -> None:
     """Raise ``TypeError`` unless ``value`` is ``True`` or ``False`` (a string such as ``"no"`` would read as true).
 
-    Example:
+    Examples:
         >>> check_bool("MixedPrecisionPlugin", "master_weights", "false")
         Traceback (most recent call last):
         ...

@@ -16,7 +16,7 @@ so its checkpoint loads into a stock optimizer; the first moment (and SGD's mome
 moment in FP32 by default (the choice, measured, is in the class docstring). Parameters that are not bf16 (FP32 ones
 left so on purpose) are stepped by the optimizer's own ``step()``, exactly as torch steps them.
 
-Example:
+Examples:
     >>> w = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
     >>> opt = torch.optim.SGD([w], lr=1e-4)
     >>> compensator = Compensator(opt, "kahan")
@@ -60,7 +60,7 @@ def round_stochastically(value: Tensor, generator: torch.Generator | None = None
     make it work for negative numbers alike; the carry into the exponent gives the next binade (or inf past the largest
     bf16, as rounding up must).
 
-    Example:
+    Examples:
         >>> x = torch.full((10_000,), 1.0 + 2**-9)  # a quarter of the way from bf16's 1.0 to 1.0078125
         >>> y = round_stochastically(x, torch.Generator().manual_seed(0))
         >>> sorted(set(y.tolist())), round(y.double().mean().item(), 3)
@@ -202,7 +202,7 @@ class Compensator:
         ValueError: ``method``, ``seed`` or a dtype is invalid, or a param group sets an unsupported option or holds
             an fp16 parameter.
 
-    Example:
+    Examples:
         >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
         >>> opt = torch.optim.AdamW([w], lr=1e-3)
         >>> compensator = Compensator(opt, "stochastic", seed=0)
@@ -616,7 +616,7 @@ class Footprint:
 def footprint(optimizer: torch.optim.Optimizer, compensator: Compensator | None = None) -> Footprint:
     """Count what ``optimizer``'s parameters, states and ``compensator``'s buffers hold, in bytes.
 
-    Example:
+    Examples:
         >>> w = torch.nn.Parameter(torch.ones(1000))
         >>> opt = torch.optim.AdamW([w])
         >>> w.grad = torch.ones_like(w); opt.step()

@@ -45,7 +45,7 @@ class DevicePolicy:
     Built on the scale's device from a host policy; :meth:`load` copies the host's trackers over (no host read),
     :meth:`advance` applies one step's flag.
 
-    Example:
+    Examples:
         >>> host = ScalePolicy(8.0, 2.0, 0.5, growth_interval=2, hysteresis=1, min_scale=1.0, max_scale=2.0**24)
         >>> scale = torch.full((), 8.0)
         >>> device = DevicePolicy(host, scale)

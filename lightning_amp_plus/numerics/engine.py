@@ -17,7 +17,7 @@ for bf16, or none), the record of recent steps, the LR schedulers it holds while
 takes the place of ``optimizer.step()``). The guard owns each optimizer's stage and the skip counters. The front end
 owns the framework's objects (autocast, the model, hooks, checkpoints' keys).
 
-Example:
+Examples:
     >>> from torch import nn
     >>> from lightning_amp_plus.numerics.scaler import DynamicLossScaler
     >>> model = nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -14,7 +14,7 @@ def f32(value: float) -> float:
     A float64 holds the exact sum, product or quotient of two float32 values before rounding, so ``f32(a * b)`` for
     float32 ``a`` and ``b`` equals torch's float32 ``a * b``.
 
-    Example:
+    Examples:
         >>> f32(0.1)
         0.10000000149011612
     """

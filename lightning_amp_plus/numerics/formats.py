@@ -28,7 +28,7 @@ class Format:
         smallest_subnormal: the smallest positive value, ``finfo.eps * finfo.smallest_normal``; a magnitude at or
             below half of it rounds to zero.
 
-    Example:
+    Examples:
         >>> fp16 = Format.of(torch.float16)
         >>> fp16.max, fp16.smallest_normal == 2.0**-14, fp16.smallest_subnormal == 2.0**-24
         (65504.0, True, True)
@@ -59,7 +59,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def format_of(dtype: object, owner: str = "format_of", argument: str = "dtype") -> Format:
     """The :class:`Format` of a mixed-precision half dtype; ``ValueError`` naming ``owner(argument=...)`` otherwise.
 
-    Example:
+    Examples:
         >>> format_of(torch.bfloat16).max == torch.finfo(torch.bfloat16).max
         True
         >>> format_of(torch.float32, owner="run_autopsy")
@@ -81,7 +81,7 @@ def headroom_bits(absmax: float) -> dict[str, float]:
     Positive: the values fit with that many bits to spare; negative: they overflow the format by that many. ``inf``
     when ``absmax`` is 0 (nothing to overflow), ``-inf`` when it is inf, ``nan`` when it is nan.
 
-    Example:
+    Examples:
         >>> bits = headroom_bits(1024.0)
         >>> round(bits["float16"], 3), round(bits["float8_e4m3fn"], 3)
         (5.999, -1.193)

@@ -5,7 +5,7 @@ matters more than its speed: ``MixedPrecisionPlugin(keep_fp32=(TheModule,))`` ru
 an FP32 model would, whatever autocast does around them. Their outputs are FP32; the ops after them are cast by
 autocast as usual.
 
-Example:
+Examples:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 2)))
     >>> handles = compute_in_fp32(model, (nn.Sequential,), "cpu")  # the inner Sequential (the root is excluded)

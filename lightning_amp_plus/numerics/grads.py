@@ -68,7 +68,7 @@ def unscale_(grads: Sequence[Tensor], inv_scale: float) -> None:
     (duplicates included: it stays the same sparse tensor). The multiply runs in the gradient's compute type (float32
     for half types).
 
-    Example:
+    Examples:
         >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
         >>> unscale_(g, 0.5); g
         [tensor([1.5000, 2.0000]), tensor([0.5000])]
@@ -94,7 +94,7 @@ def global_norm(grads: Sequence[Tensor], out_device: torch.device | None = None)
         grads: the gradients (any devices, dtypes, layouts).
         out_device: where the result lives (default: the first gradient's device).
 
-    Example:
+    Examples:
         >>> global_norm([torch.tensor([3.0, 4.0]), torch.tensor([12.0])])
         tensor(13.)
         >>> bool(torch.isfinite(global_norm([torch.ones(2), torch.tensor([float("nan")])])))
@@ -122,7 +122,7 @@ def sharded_norm(grads: Sequence[Tensor], sharding: Sharding, device: torch.devi
     One SUM all-reduce (see :mod:`~lightning_amp_plus.numerics.sharding`): an inf or NaN on any rank makes every rank's
     result non-finite.
 
-    Example:
+    Examples:
         >>> sharded_norm([torch.tensor([3.0, 4.0])], Sharding(replicas=1), torch.device("cpu"))
         tensor(5.)
     """
@@ -138,7 +138,7 @@ def measure(grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
     coalesced values. An entry is ``inf`` or ``nan`` for a gradient that holds a non-finite value (or whose norm
     exceeds the float32 range).
 
-    Example:
+    Examples:
         >>> measure([torch.tensor([3.0, 4.0]), torch.tensor([1.0, float("nan")])], torch.device("cpu"))
         tensor([5., nan])
     """
@@ -197,7 +197,7 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
     Returns:
         The coefficient applied (1.0 when nothing was clipped).
 
-    Example:
+    Examples:
         >>> g = [torch.tensor([3.0, 4.0])]
         >>> round(clip_by_norm_(g, 5.0, 1.0), 4), g[0]
         (0.2, tensor([0.6000, 0.8000]))
@@ -226,7 +226,7 @@ def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:
     Sparse tensors are judged by their stored values, sharded ones (DTensors) by this rank's shard: each rank names
     what it holds.
 
-    Example:
+    Examples:
         >>> nonfinite_names([("a", torch.ones(2)), ("b", torch.tensor([1.0, float("nan")]))])
         ['b']
     """

@@ -243,7 +243,7 @@ class GradientGuard:
     def uses_fused_path(self, optimizer: Optimizer) -> bool:
         """Whether :meth:`step` would now take the fused path for ``optimizer`` (no host read; the optimizer unscales).
 
-        Example:
+        Examples:
             >>> w = nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)
             >>> guard = NonfiniteGuard()
             >>> guard.uses_fused_path(torch.optim.AdamW([w], fused=True)), guard.uses_fused_path(torch.optim.AdamW([w]))
@@ -488,7 +488,7 @@ class NonfiniteGuard(GradientGuard):
         max_consecutive_skips: skipped steps in a row after which :meth:`step` (or :meth:`update` on the fused path)
             raises ``FloatingPointError`` with a diagnosis; ``None`` never.
 
-    Example:
+    Examples:
         >>> w = nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1)
         >>> guard = NonfiniteGuard()
         >>> (w * float("nan")).sum().backward(); _ = guard.step(opt); guard.update()

@@ -56,7 +56,7 @@ class LayerHeadroom:
         scale: the loss scale the percentages are for.
         dtype: the half dtype they are for.
 
-    Example:
+    Examples:
         >>> reading = LayerHeadroom(act_absmax=1024.0, grad_absmax=2.0**-10, grad_flushed_pct=0.0,
         ...                         grad_subnormal_pct=0.0, headroom_bits=headroom_bits(1024.0), scale=2.0**16,
         ...                         dtype=torch.float16)
@@ -105,7 +105,7 @@ def measure_headroom(
         ValueError: a bad argument, or ``run`` entered autocast.
         TypeError: ``run()`` does not return a scalar loss with a gradient.
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
         >>> with torch.no_grad():
         ...     net[0].weight.zero_(); net[0].bias.copy_(torch.tensor([1000.0, -1.0]))  # doctest: +ELLIPSIS

@@ -11,7 +11,7 @@ to FP32 once, before training (:func:`widen_to_fp32_`); from then on it trains e
 ``*-mixed``. Half copies that live *in* the parameters between uses (an earlier design of this package swapped
 ``param.data`` for the whole step) leak: user code during the step then reads and writes rounded copies.
 
-Example:
+Examples:
     >>> from torch import nn
     >>> model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2)).to(torch.bfloat16)
     >>> widen_to_fp32_(half_parameters(model))
@@ -34,7 +34,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 def half_parameters(module: nn.Module) -> list[nn.Parameter]:
     """The parameters of ``module`` held in fp16 or bf16 (float64 and non-floating ones are left alone), each once.
 
-    Example:
+    Examples:
         >>> lin = nn.Linear(2, 2); lin.weight.data = lin.weight.data.half()
         >>> [p.shape for p in half_parameters(lin)]
         [torch.Size([2, 2])]
@@ -49,7 +49,7 @@ def widen_to_fp32_(params: Iterable[Tensor]) -> None:
     The objects stay, so every reference to them (an optimizer built before, tied weights) stays valid. A gradient
     already there is widened too, so that it matches its parameter.
 
-    Example:
+    Examples:
         >>> w = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
         >>> widen_to_fp32_([w]); w.dtype
         torch.float32

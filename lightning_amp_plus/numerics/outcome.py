@@ -64,7 +64,7 @@ class StepResult:
         index: the front end's count of optimizer steps before this one (``None`` from a bare scaler).
         optimizer: the optimizer's position among the front end's optimizers (``None`` from a bare scaler).
 
-    Example:
+    Examples:
         >>> from lightning_amp_plus.numerics.scaler import DynamicLossScaler
         >>> import torch
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1, fused=True)

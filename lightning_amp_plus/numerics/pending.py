@@ -7,7 +7,7 @@ flag and norm in one go when asked. On CUDA each step's two numbers are copied a
 host buffer (a ring of slots), so the read later waits only until the last check has run, not for the optimizer
 kernels behind it.
 
-Example:
+Examples:
     >>> import torch
     >>> from lightning_amp_plus.numerics.outcome import StepRecord
     >>> pending = PendingReads()

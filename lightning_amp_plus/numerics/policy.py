@@ -29,7 +29,7 @@ class ScalePolicy:
 
     Validation of the constants is the caller's job (see ``DynamicLossScaler``).
 
-    Example:
+    Examples:
         >>> policy = ScalePolicy(8.0, 2.0, 0.5, growth_interval=2, hysteresis=1, min_scale=1.0, max_scale=2.0**24)
         >>> [policy.update(found_inf) for found_inf in (False, False, True)]
         [False, True, True]
@@ -65,7 +65,7 @@ class ScalePolicy:
         Backing off is monotone, so from any scale within the bounds it takes at most this many. 0 when the scale can
         never be lowered (``backoff_factor=1.0``, or equal bounds).
 
-        Example:
+        Examples:
             >>> ScalePolicy(2.0**16, 2.0, 0.5, 2000, 1, min_scale=1.0, max_scale=2.0**24).backoffs_to_floor()
             24
         """
@@ -84,7 +84,7 @@ class ScalePolicy:
     def backs_off_on_overflow(self) -> bool:
         """Whether an overflow now would lower the scale: the hysteresis is used up and the scale is above its floor.
 
-        Example:
+        Examples:
             >>> ScalePolicy(1.0, 2.0, 0.5, 10, 1, min_scale=1.0, max_scale=8.0).backs_off_on_overflow()
             False
         """

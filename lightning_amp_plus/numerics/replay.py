@@ -49,7 +49,7 @@ class RngState:
     no stream advances either way. Other CUDA devices' generators and ``torch.Generator`` objects of your own are not
     captured.
 
-    Example:
+    Examples:
         >>> state = RngState.capture()
         >>> first = torch.rand(3)
         >>> state.restore()
@@ -94,7 +94,7 @@ def untouched(model: nn.Module) -> Iterator[None]:
 
     Refuses to run under ``torch.inference_mode`` (a replay needs autograd).
 
-    Example:
+    Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.Dropout(0.5))
         >>> before = net[1].running_mean.clone(), torch.get_rng_state()
         >>> with untouched(net):

@@ -95,7 +95,7 @@ class DynamicLossScaler(GradientGuard):
         max_consecutive_skips: skipped steps in a row that backing off could not help after which :meth:`step`
             raises; ``None`` never.
 
-    Example:
+    Examples:
         >>> model = nn.Linear(4, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> scaler = DynamicLossScaler(init_scale=2.0**8, growth_interval=2)
@@ -175,7 +175,7 @@ class DynamicLossScaler(GradientGuard):
     def set_growth_factor(self, new_factor: float) -> None:
         """Set the growth factor (>= 1), as GradScaler's setter, checked.
 
-        Example:
+        Examples:
             >>> scaler = DynamicLossScaler(); scaler.set_growth_factor(4.0); scaler.get_growth_factor()
             4.0
         """
@@ -227,7 +227,7 @@ class DynamicLossScaler(GradientGuard):
         ``max_consecutive_skips`` plus the backoffs from ``max_scale`` to ``min_scale`` (each skip either lowers the
         scale, at most that many times, or counts towards the limit), for one optimizer stepped per ``update()``.
 
-        Example:
+        Examples:
             >>> DynamicLossScaler().max_skips_in_a_row, DynamicLossScaler(backoff_factor=1.0).max_skips_in_a_row
             (74, 50)
         """
@@ -252,7 +252,7 @@ class DynamicLossScaler(GradientGuard):
 
         The scale lives on the device of the first loss scaled; a loss on another device is multiplied by a copy.
 
-        Example:
+        Examples:
             >>> DynamicLossScaler(init_scale=4.0).scale(torch.tensor(1.5))
             tensor(6.)
         """

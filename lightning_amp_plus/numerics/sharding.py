@@ -11,7 +11,7 @@ otherwise let the other replicas step while this one skips. The weights make the
 DTensor's mesh are taken to hold replicas of it (true of a data x tensor parallel mesh, where the mesh of a gradient
 is a sub-mesh; pipeline stages, which hold different parameters, are not supported).
 
-Example:
+Examples:
     >>> grad = torch.ones(3)
     >>> holders(grad, replicas=2), local_view(grad) is grad
     (2, True)
@@ -81,7 +81,7 @@ class Sharding:
             replicate-group size for HYBRID_SHARD, the world size for a parameter FSDP2 left unsharded.
         group: the process group of the SUM (``None``: the default group, the world).
 
-    Example:
+    Examples:
         >>> Sharding(replicas=2).weights([torch.ones(2), torch.ones(3)])
         tensor([0.5000, 0.5000])
     """

@@ -5,7 +5,7 @@ hysteresis tolerates, or no scale at all: a bf16 check) is *stuck*. ``limit`` st
 guard raises ``FloatingPointError`` with :meth:`SkipCounter.diagnosis`, which names the non-finite gradients, says why
 nothing helps and what to try. Kept apart from the code that touches gradients, as the scale policy is.
 
-Example:
+Examples:
     >>> from lightning_amp_plus.numerics.outcome import StepRecord
     >>> counter = SkipCounter(limit=2)
     >>> counter.count(StepRecord(overflow=True), backs_off=False), counter.count(StepRecord(overflow=True), False)
