@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -25,13 +24,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _memory
-from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
+from lightning_amp_plus._examiner import Examiner, Replay, trainer_replay
+from lightning_amp_plus._step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
+from lightning_amp_plus.numerics.autopsy import Autopsy
 from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
 from lightning_amp_plus.numerics.engine import StepEngine
 from lightning_amp_plus.numerics.grads import nonfinite_names
-from lightning_amp_plus.numerics.headroom import LayerHeadroom, measure_headroom
+from lightning_amp_plus.numerics.headroom import LayerHeadroom
 from lightning_amp_plus.numerics.outcome import StepResult
-from lightning_amp_plus.numerics.replay import RngState
 from lightning_amp_plus.numerics.sharding import is_dtensor, local_view
 from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
 
@@ -152,9 +152,7 @@ class MixedPrecisionMonitor(Callback):
         self.skip_warn_rate = skip_warn_rate
         self.log_memory = log_memory
         self.prog_bar = prog_bar
-        self.autopsy = autopsy
-        self.autopsy_limit = autopsy_limit
-        self.headroom_interval = headroom_interval
+        self._examiner = Examiner(autopsy, autopsy_limit, headroom_interval)
         # Checked now, before any training: a chart that cannot be written must not cost a whole run.
         self.report_path = None if report_path is None else check_chart_path(report_path)
         self.history = AmpHistory()
@@ -163,28 +161,44 @@ class MixedPrecisionMonitor(Callback):
         """The file the ``"stop"`` policy saved, once it has."""
         self.should_stop = False
         """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
-        self.autopsies: list[Autopsy] = []
-        """The autopsies of this run, oldest first: at most ``autopsy_limit`` are made, and a cause (kind and module)
-        found again is not repeated."""
-        self._autopsies_made = 0
-        self.headroom: dict[str, LayerHeadroom] = {}
-        """The latest headroom reading, by module name (empty until one is made)."""
-        self._rng: RngState | None = None
-        self._headroom_logged: dict[str, LayerHeadroom] | None = None
-        self._source: _StepSource = _ScaleReadSteps(None)
-        self._recent: deque[bool] = deque(maxlen=skip_window)
-        self._applied_yet = False
+        self._source: StepSource = ScaleReadSteps(None)
+        self._watch = _SkipWatch(skip_window, skip_warn_rate)
         self._skips_seen = 0
-        self._floor_warned = False
         self._cpu_memory_said = False
         self._log_this_step = True
         self._bar_scale: float | None = None
         self._named: list[tuple[str, Tensor]] = []
 
+    # ---------------------------------------------------------------------------------------------- readings
+    @property
+    def autopsies(self) -> list[Autopsy]:
+        """The autopsies of this run, oldest first (at most ``autopsy_limit``; a cause found again is said once)."""
+        return self._examiner.autopsies
+
+    @property
+    def headroom(self) -> dict[str, LayerHeadroom]:
+        """The latest headroom reading, by module name (empty until one is made)."""
+        return self._examiner.headroom
+
+    @property
+    def autopsy(self) -> bool:
+        """Whether skipped steps get an autopsy."""
+        return self._examiner.autopsy
+
+    @property
+    def autopsy_limit(self) -> int:
+        """The most autopsies a run makes."""
+        return self._examiner.autopsy_limit
+
+    @property
+    def headroom_interval(self) -> int:
+        """Optimizer steps between two headroom readings (0: none)."""
+        return self._examiner.headroom_interval
+
     # ------------------------------------------------------------------------------------------------- the step
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(_source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
+        self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
         self._named = list(pl_module.named_parameters())
 
@@ -194,7 +208,7 @@ class MixedPrecisionMonitor(Callback):
     ) -> None:
         self._source.begin_batch()
         if self._replays(trainer, pl_module):
-            self._rng = RngState.capture()  # what a replay of this batch needs (about 2 us)
+            self._examiner.batch_start()
         self._log_this_step = _logs_this_step(trainer)
         if self._log_this_step and self.log_memory and _on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
@@ -222,9 +236,10 @@ class MixedPrecisionMonitor(Callback):
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         # global_step counts every optimizer step, skipped or not
         self._record(steps, trainer.global_step - len(steps), peak)
-        if self._rng is not None:
-            self._examine(steps, trainer.global_step, _trainer_replay(trainer, pl_module, batch, batch_idx), outputs)
-            for key, value in self._headroom_metrics().items():
+        if self._replays(trainer, pl_module):
+            replay = trainer_replay(trainer, pl_module, batch, batch_idx)
+            self._examiner.examine(steps, trainer.global_step, replay, outputs, self.history)
+            for key, value in self._examiner.headroom_metrics().items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
         # global_step counts finished steps: checked after every check_interval-th step, reported at its index.
         if self._checking(trainer.global_step) and not self.should_stop:
@@ -248,8 +263,7 @@ class MixedPrecisionMonitor(Callback):
 
         It snapshots the random state (about 2 us) so that a replay of the batch draws the same dropout masks.
         """
-        if self.autopsy or self.headroom_interval:
-            self._rng = RngState.capture()
+        self._examiner.batch_start()
 
     def observe(
         self,
@@ -283,8 +297,8 @@ class MixedPrecisionMonitor(Callback):
                 f"`MixedPrecisionMonitor.observe(plugin={plugin!r})` reads this package's plugins (for Fabric: "
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
-        if not isinstance(self._source, _EngineSteps) or self._source.engine is not engine:
-            self._start(_EngineSteps(plugin, from_first=True), None)
+        if not isinstance(self._source, EngineSteps) or self._source.engine is not engine:
+            self._start(EngineSteps(plugin, from_first=True), None)
         steps = self._source.take()
         if not steps:
             return {}
@@ -293,9 +307,9 @@ class MixedPrecisionMonitor(Callback):
         metrics = self._metrics(steps, memory, everything=True)
         self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         last = (first or 0) + len(steps) - 1
-        if model is not None and replay is not None and self._rng is not None:
-            self._examine(steps, last + 1, _Replay.of_fabric(plugin, model, replay), None)
-            metrics.update(self._headroom_metrics())
+        if model is not None and replay is not None:
+            self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
+            metrics.update(self._examiner.headroom_metrics())
         if model is not None and self._checking(last + 1):
             self._found(None, model, "parameters", nonfinite_names(list(model.named_parameters())), last)
         return metrics
@@ -316,68 +330,19 @@ class MixedPrecisionMonitor(Callback):
     # ------------------------------------------------------------------------------------ autopsy and headroom
     def _replays(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether this run's batches may be replayed: our plugins, automatic optimization, rank zero, unsharded."""
-        if not (self.autopsy or self.headroom_interval) or not isinstance(self._source, _EngineSteps):
+        if not self._examiner.active or not isinstance(self._source, EngineSteps):
             return False
         if not pl_module.automatic_optimization or not trainer.is_global_zero:
             return False
         return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._named)
 
-    def _examine(self, steps: list[StepResult], count: int, replay: _Replay | None, outputs: Any) -> None:
-        """After an optimizer step: a skipped step's autopsy, a headroom reading when due (``count``: steps done)."""
-        rng, self._rng = self._rng, None
-        if replay is None or rng is None:
-            return
-        skipped = next((result for result in steps if result.skipped), None)
-        if skipped is not None and self.autopsy and self._autopsies_made < self.autopsy_limit:
-            self._autopsy(skipped, replay, rng, count - 1, outputs)
-        if self.headroom_interval and count % self.headroom_interval == 0:
-            self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
-            self.history.headroom.append((count - 1, self.headroom))
-
-    def _autopsy(self, result: StepResult, replay: _Replay, rng: RngState, step: int, outputs: Any) -> None:
-        descending = not self._applied_before(step) and replay.min_scale < (result.scale or 1.0)
-        if descending and _finite_loss(outputs):
-            return  # the scale coming down from init_scale: routine, and a replay would only say "scale"
-        found = replay.autopsy(rng, result.scale or 1.0, step)
-        if found is None or (descending and found.kind == "scale"):
-            return  # did not reproduce (a rank-local fault), or routine: not reported, not counted
-        self._autopsies_made += 1
-        if any((earlier.kind, earlier.module) == (found.kind, found.module) for earlier in self.autopsies):
-            return  # the same cause again (a fault that persists): said once
-        self.autopsies.append(found)
-        self.history.autopsies.append(found)
-        rank_zero_warn(f"MixedPrecisionMonitor: {found.message}", category=RuntimeWarning)
-
-    def _applied_before(self, step: int) -> bool:
-        return any(not record.skipped for record in self.history.steps if record.step < step)
-
-    def _headroom_metrics(self) -> dict[str, float]:
-        """The latest reading as metrics, once (then forgotten), keyed ``amp/headroom/<layer>/<field>``."""
-        reading = self.history.headroom[-1] if self.history.headroom else None
-        if reading is None or reading[1] is self._headroom_logged:
-            return {}
-        self._headroom_logged = reading[1]
-        metrics: dict[str, float] = {}
-        for name, layer in reading[1].items():
-            prefix = f"amp/headroom/{name or 'model'}/"
-            metrics[prefix + "act_absmax"] = layer.act_absmax
-            metrics[prefix + "grad_absmax"] = layer.grad_absmax
-            metrics[prefix + "grad_flushed_pct"] = layer.grad_flushed_pct
-            metrics[prefix + "grad_subnormal_pct"] = layer.grad_subnormal_pct
-            metrics[prefix + "headroom_bits"] = layer.headroom_bits[str(layer.dtype).removeprefix("torch.")]
-        return metrics
-
     # -------------------------------------------------------------------------------------------------- helpers
-    def _start(self, source: _StepSource, memory_kind: str | None) -> None:
+    def _start(self, source: StepSource, memory_kind: str | None) -> None:
         self._source = source
         self.history = AmpHistory(memory_kind=memory_kind or "process memory")
-        self._recent.clear()
-        self._applied_yet = False
-        self._floor_warned = False
+        self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)
         self.should_stop = False
-        self.autopsies = []
-        self._autopsies_made = 0
-        self.headroom = {}
+        self._examiner.reset()
         # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
         self._skips_seen = source.skips_so_far()
 
@@ -393,7 +358,7 @@ class MixedPrecisionMonitor(Callback):
             self.history.steps.append(StepRecord(index, result.scale, result.skipped, result.grad_norm, peak))
             if result.overflow_params:
                 self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
-            self._watch_skips()
+            self._watch.watch(self.history, self._source.floor())
 
     def _metrics(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
         # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
@@ -421,35 +386,6 @@ class MixedPrecisionMonitor(Callback):
     def _checking(self, count: int) -> bool:
         # Inside a step `count` is the index of the step being taken; after it, the number of steps finished.
         return count % self.check_interval == 0
-
-    def _watch_skips(self) -> None:
-        last = self.history.steps[-1]
-        if not self._applied_yet and not last.skipped:
-            # The skips before the first applied step were the scale finding its level from `init_scale`: not a
-            # problem. A run that never applies a step keeps them, and its window fills with skips.
-            self._applied_yet = True
-            self._recent.clear()
-        self._recent.append(last.skipped)
-        window = len(self._recent)
-        if window == self.skip_window and sum(self._recent) / window > self.skip_warn_rate:
-            rank_zero_warn(
-                f"MixedPrecisionMonitor: {sum(self._recent)} of the last {window} optimizer steps were skipped for "
-                f"non-finite gradients (more than {self.skip_warn_rate:.0%}); last overflowing parameters: "
-                f"{self.history.nonfinite_events[-1][2] if self.history.nonfinite_events else 'unknown'}. If it "
-                "persists, lower the learning rate, clip gradients, or check the data for inf/NaN.",
-                category=RuntimeWarning,
-            )
-            self._recent.clear()  # warn at most once per window
-        floor = self._source.floor()
-        # Only a step skipped at the floor shows gradients overflowing unscaled (a scale may start at its floor).
-        at_floor = floor is not None and last.scale is not None and last.scale <= floor
-        if at_floor and last.skipped and not self._floor_warned:
-            self._floor_warned = True
-            rank_zero_warn(
-                f"MixedPrecisionMonitor: the loss scale has reached its floor (min_scale={floor:g}) at step "
-                f"{last.step}: gradients overflow even without scaling.",
-                category=RuntimeWarning,
-            )
 
     def _memory(self, trainer: pl.Trainer) -> dict[str, float]:
         if _on_cuda(trainer):
@@ -520,120 +456,6 @@ class MixedPrecisionMonitor(Callback):
 
 
 # --------------------------------------------------------------------------------------------- step sources
-class _StepSource(Protocol):
-    """Where the monitor learns about each optimizer step (chosen once, when training starts)."""
-
-    guarded: bool
-    """Whether something checks each step's gradients and skips the step on inf/NaN."""
-
-    def floor(self) -> float | None:
-        """The loss scale's floor, if known."""
-
-    def skips_so_far(self) -> int:
-        """Skips counted before training started (restored from a checkpoint)."""
-
-    def begin_batch(self) -> None:
-        """A training batch starts."""
-
-    def before_step(self) -> None:
-        """An optimizer step is about to run (``on_before_optimizer_step``)."""
-
-    def take(self) -> list[StepResult]:
-        """The steps taken since the last call, in order."""
-
-    def notes(self) -> list[str]:
-        """What the summary should say about how the steps were taken (compensated weights), if anything."""
-
-
-class _EngineSteps:
-    """The package's plugins: the engine records every optimizer step's result (nothing is read off the scale)."""
-
-    def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
-        self._plugin = plugin
-        self.engine: StepEngine = plugin.engine
-        self.guarded = self.engine.guard is not None
-        # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
-        self._next = self.engine.steps_taken - (len(self.engine.recent_steps) if from_first else 0)
-
-    def floor(self) -> float | None:
-        floor: float | None = getattr(self._plugin, "min_scale", None)
-        return floor
-
-    def skips_so_far(self) -> int:
-        return self.engine.skipped_steps - sum(result.skipped for result in self.engine.results_since(self._next))
-
-    def begin_batch(self) -> None:
-        pass
-
-    def before_step(self) -> None:
-        pass
-
-    def take(self) -> list[StepResult]:
-        steps = self.engine.results_since(self._next)
-        self._next = self.engine.steps_taken  # consumed: never reported twice
-        return steps
-
-    def notes(self) -> list[str]:
-        footprints = self.engine.footprints()
-        if not footprints:
-            return []
-        per_parameter = sum(f.weights + f.compensation + f.states for f in footprints) / max(
-            sum(f.parameters for f in footprints), 1
-        )
-        return [
-            f"bf16 weights compensated ({self.engine.compensation}): {per_parameter:.1f} bytes per parameter of "
-            "weights, compensation and optimizer state"
-        ]
-
-
-class _ScaleReadSteps:
-    """Lightning's own plugins: each step is seen before it runs; a ``GradScaler``'s skip shows as a scale backoff."""
-
-    def __init__(self, trainer: pl.Trainer | None) -> None:
-        self._trainer = trainer
-        self.guarded = trainer is not None and trainer.scaler is not None
-        self._scales: list[float | None] = []
-
-    def floor(self) -> float | None:
-        return None
-
-    def skips_so_far(self) -> int:
-        return 0  # a GradScaler does not count them
-
-    def begin_batch(self) -> None:
-        self._scales.clear()
-
-    def before_step(self) -> None:
-        scaler = None if self._trainer is None else self._trainer.scaler
-        self._scales.append(None if scaler is None else float(scaler.get_scale()))
-
-    def take(self) -> list[StepResult]:
-        scales, self._scales = self._scales, []
-        scaler = None if self._trainer is None else self._trainer.scaler
-        if scaler is None or not scales:
-            return [StepResult.known(skipped=False, scale=None, grad_norm=None, index=i) for i in range(len(scales))]
-        # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
-        # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
-        after = [*scales[1:], float(scaler.get_scale())]
-        return [
-            StepResult.known(
-                skipped=before is not None and next_scale is not None and next_scale < before,
-                scale=before,
-                grad_norm=None,
-                index=i,
-                optimizer=i,
-            )
-            for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
-        ]
-
-    def notes(self) -> list[str]:
-        return []
-
-
-def _source_for(plugin: Any, trainer: pl.Trainer) -> _StepSource:
-    return _EngineSteps(plugin) if isinstance(getattr(plugin, "engine", None), StepEngine) else _ScaleReadSteps(trainer)
-
-
 def _on_cuda(trainer: pl.Trainer) -> bool:
     return trainer.strategy.root_device.type == "cuda"
 
@@ -647,75 +469,43 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
     return True if connector is None else bool(connector.should_update_logs)
 
 
-class _Replay:
-    """What the autopsy and the headroom need to replay one batch: the model, its loss, the precision's autocast."""
+class _SkipWatch:
+    """Warns when too many recent steps are skipped, or when the loss scale sits at its floor (each once).
 
-    def __init__(
-        self,
-        model: nn.Module,
-        run: Callable[[], Tensor],
-        autocast: Callable[[], AbstractContextManager[Any]],
-        dtype: torch.dtype,
-        min_scale: float,
-        suspended: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    ) -> None:
-        self.model, self.run, self.autocast, self.dtype, self.min_scale = model, run, autocast, dtype, min_scale
-        self._suspended = suspended  # the front end's own autocast, off during a replay that sets its own
+    State: the recent steps' skip flags, whether a step was applied yet, whether the floor was warned about.
+    """
 
-    @classmethod
-    def of_fabric(cls, plugin: Any, model: nn.Module, run: Callable[[], Tensor]) -> _Replay:
-        module = getattr(model, "module", model)  # Fabric's wrapper holds the user's module as `.module`
-        min_scale = plugin.min_scale if getattr(plugin, "min_scale", None) is not None else 1.0
-        suspended = getattr(plugin, "autocast_suspended", nullcontext)
-        return cls(module, run, _autocast_of(plugin), plugin.half_dtype, min_scale, suspended)
+    def __init__(self, window: int, warn_rate: float) -> None:
+        self._recent: deque[bool] = deque(maxlen=window)
+        self._warn_rate = warn_rate
+        self._applied_yet = False
+        self._floor_warned = False
 
-    def autopsy(self, rng: RngState, scale: float, step: int) -> Autopsy | None:
-        with self._suspended():
-            return run_autopsy(
-                self.model, self.run, rng=rng, scale=scale, step=step, dtype=self.dtype, autocast=self.autocast,
-                min_scale=self.min_scale,
-            )  # fmt: skip
-
-    def headroom(self, rng: RngState, scale: float) -> dict[str, LayerHeadroom]:
-        with self._suspended():
-            return measure_headroom(self.model, self.run, scale=scale, dtype=self.dtype, rng=rng)
-
-
-def _trainer_replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> _Replay:
-    plugin: Any = trainer.precision_plugin  # one of ours (see MixedPrecisionMonitor._replays)
-
-    def run() -> Tensor:
-        with _silenced(pl_module):  # a replay logs nothing: the run's metrics stay the run's
-            output = pl_module.training_step(batch, batch_idx)
-        loss = output.get("loss") if isinstance(output, dict) else output
-        if not isinstance(loss, Tensor):
-            raise RuntimeError("The replayed training_step returned no loss.")
-        return loss
-
-    min_scale = getattr(plugin, "min_scale", None)
-    return _Replay(pl_module, run, _autocast_of(plugin), plugin.half_dtype, 1.0 if min_scale is None else min_scale)
-
-
-def _autocast_of(plugin: Any) -> Callable[[], AbstractContextManager[Any]]:
-    # The precision's own forward context, as the step ran it (its autocast, or bf16-true's dtype); a Fabric plugin's
-    # even while its wrapper's is suspended for the replay.
-    context: Callable[[], AbstractContextManager[Any]] = getattr(plugin, "precision_context", plugin.forward_context)
-    return context
-
-
-@contextmanager
-def _silenced(module: pl.LightningModule) -> Iterator[None]:
-    """``self.log`` and ``self.log_dict`` do nothing inside (instance attributes shadow the methods, then go)."""
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del module.log
-        del module.log_dict
-
-
-def _finite_loss(outputs: Any) -> bool:
-    """Whether the training_step's loss was finite (``outputs`` as Lightning hands them to on_train_batch_end)."""
-    loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-    return isinstance(loss, Tensor) and bool(torch.isfinite(loss).all())
+    def watch(self, history: AmpHistory, floor: float | None) -> None:
+        """Look at the last step recorded in ``history`` (``floor``: the loss scale's, if known)."""
+        last = history.steps[-1]
+        if not self._applied_yet and not last.skipped:
+            # The skips before the first applied step were the scale finding its level from `init_scale`: not a
+            # problem. A run that never applies a step keeps them, and its window fills with skips.
+            self._applied_yet = True
+            self._recent.clear()
+        self._recent.append(last.skipped)
+        window = len(self._recent)
+        if window == self._recent.maxlen and sum(self._recent) / window > self._warn_rate:
+            rank_zero_warn(
+                f"MixedPrecisionMonitor: {sum(self._recent)} of the last {window} optimizer steps were skipped for "
+                f"non-finite gradients (more than {self._warn_rate:.0%}); last overflowing parameters: "
+                f"{history.nonfinite_events[-1][2] if history.nonfinite_events else 'unknown'}. If it persists, lower "
+                "the learning rate, clip gradients, or check the data for inf/NaN.",
+                category=RuntimeWarning,
+            )
+            self._recent.clear()  # warn at most once per window
+        # Only a step skipped at the floor shows gradients overflowing unscaled (a scale may start at its floor).
+        at_floor = floor is not None and last.scale is not None and last.scale <= floor
+        if at_floor and last.skipped and not self._floor_warned:
+            self._floor_warned = True
+            rank_zero_warn(
+                f"MixedPrecisionMonitor: the loss scale has reached its floor (min_scale={floor:g}) at step "
+                f"{last.step}: gradients overflow even without scaling.",
+                category=RuntimeWarning,
+            )

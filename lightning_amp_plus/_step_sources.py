@@ -1,0 +1,131 @@
+"""Where ``MixedPrecisionMonitor`` learns about each optimizer step: chosen once, when training starts.
+
+This package's plugins record every optimizer step's :class:`~lightning_amp_plus.numerics.outcome.StepResult` in their
+engine (:class:`EngineSteps`); under Lightning's own plugins the monitor sees each step in ``on_before_optimizer_step``
+and reads a ``GradScaler``'s skips off its scale (:class:`ScaleReadSteps`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import lightning.pytorch as pl
+
+from lightning_amp_plus.numerics.engine import StepEngine
+from lightning_amp_plus.numerics.outcome import StepResult
+
+__all__ = ["EngineSteps", "ScaleReadSteps", "StepSource", "source_for"]
+
+
+class StepSource(Protocol):
+    """Where the monitor learns about each optimizer step (chosen once, when training starts)."""
+
+    guarded: bool
+    """Whether something checks each step's gradients and skips the step on inf/NaN."""
+
+    def floor(self) -> float | None:
+        """The loss scale's floor, if known."""
+
+    def skips_so_far(self) -> int:
+        """Skips counted before training started (restored from a checkpoint)."""
+
+    def begin_batch(self) -> None:
+        """A training batch starts."""
+
+    def before_step(self) -> None:
+        """An optimizer step is about to run (``on_before_optimizer_step``)."""
+
+    def take(self) -> list[StepResult]:
+        """The steps taken since the last call, in order."""
+
+    def notes(self) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything."""
+
+
+class EngineSteps:
+    """The package's plugins: the engine records every optimizer step's result (nothing is read off the scale)."""
+
+    def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
+        self._plugin = plugin
+        self.engine: StepEngine = plugin.engine
+        self.guarded = self.engine.guard is not None
+        # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
+        self._next = self.engine.steps_taken - (len(self.engine.recent_steps) if from_first else 0)
+
+    def floor(self) -> float | None:
+        floor: float | None = getattr(self._plugin, "min_scale", None)
+        return floor
+
+    def skips_so_far(self) -> int:
+        return self.engine.skipped_steps - sum(result.skipped for result in self.engine.results_since(self._next))
+
+    def begin_batch(self) -> None:
+        pass
+
+    def before_step(self) -> None:
+        pass
+
+    def take(self) -> list[StepResult]:
+        steps = self.engine.results_since(self._next)
+        self._next = self.engine.steps_taken  # consumed: never reported twice
+        return steps
+
+    def notes(self) -> list[str]:
+        footprints = self.engine.footprints()
+        if not footprints:
+            return []
+        per_parameter = sum(f.weights + f.compensation + f.states for f in footprints) / max(
+            sum(f.parameters for f in footprints), 1
+        )
+        return [
+            f"bf16 weights compensated ({self.engine.compensation}): {per_parameter:.1f} bytes per parameter of "
+            "weights, compensation and optimizer state"
+        ]
+
+
+class ScaleReadSteps:
+    """Lightning's own plugins: each step is seen before it runs; a ``GradScaler``'s skip shows as a scale backoff."""
+
+    def __init__(self, trainer: pl.Trainer | None) -> None:
+        self._trainer = trainer
+        self.guarded = trainer is not None and trainer.scaler is not None
+        self._scales: list[float | None] = []
+
+    def floor(self) -> float | None:
+        return None
+
+    def skips_so_far(self) -> int:
+        return 0  # a GradScaler does not count them
+
+    def begin_batch(self) -> None:
+        self._scales.clear()
+
+    def before_step(self) -> None:
+        scaler = None if self._trainer is None else self._trainer.scaler
+        self._scales.append(None if scaler is None else float(scaler.get_scale()))
+
+    def take(self) -> list[StepResult]:
+        scales, self._scales = self._scales, []
+        scaler = None if self._trainer is None else self._trainer.scaler
+        if scaler is None or not scales:
+            return [StepResult.known(skipped=False, scale=None, grad_norm=None, index=i) for i in range(len(scales))]
+        # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
+        # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
+        after = [*scales[1:], float(scaler.get_scale())]
+        return [
+            StepResult.known(
+                skipped=before is not None and next_scale is not None and next_scale < before,
+                scale=before,
+                grad_norm=None,
+                index=i,
+                optimizer=i,
+            )
+            for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
+        ]
+
+    def notes(self) -> list[str]:
+        return []
+
+
+def source_for(plugin: Any, trainer: pl.Trainer) -> StepSource:
+    return EngineSteps(plugin) if isinstance(getattr(plugin, "engine", None), StepEngine) else ScaleReadSteps(trainer)
