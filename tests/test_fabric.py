@@ -452,9 +452,13 @@ BAD_ARGUMENTS = [
     (
         {"precision": "16-true"},
         ValueError,
-        "`{name}(precision='16-true')` is not supported: use '16-mixed' or 'bf16-mixed'",
+        "`{name}(precision='16-true')` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'",
     ),
-    ({"precision": 16}, ValueError, "`{name}(precision=16)` is not supported: use '16-mixed' or 'bf16-mixed'"),
+    (
+        {"precision": 16},
+        ValueError,
+        "`{name}(precision=16)` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'",
+    ),
     ({"device": "tpu"}, ValueError, "`{name}(device='tpu')` is not supported: use 'cuda', 'cpu', 'mps' or None"),
     ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "`{name}(precision='16-mixed', scaler=<torch.amp.grad_scaler"),
     (
@@ -642,7 +646,7 @@ def test_optimizer_step_hands_its_arguments_to_the_optimizer_and_moves_the_scale
 
 def test_fabrics_precision_strings_are_refused_with_the_two_this_plugin_takes() -> None:
     for given in ("16", 16, "bf16", "32-true"):
-        with pytest.raises(ValueError, match=re.escape("use '16-mixed' or 'bf16-mixed'")):
+        with pytest.raises(ValueError, match=re.escape("use '16-mixed', 'bf16-mixed' or 'bf16-true'")):
             MixedPrecisionPlugin(given)  # type: ignore[arg-type]
 
 
