@@ -107,6 +107,15 @@ def fabrics(precision: str = "16-mixed") -> MixedPrecision:
     return MixedPrecision("bf16-mixed", "cpu")
 
 
+class UnscalesBeforeFusedSteps(MixedPrecision):
+    """Fabric's built-in with its refusal of fused optimizers under clipping lifted: GradScaler itself handles an
+    ``unscale_`` before a fused step (the kernel then gets no ``grad_scale``, only ``found_inf``)."""
+
+    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        assert self.scaler is not None
+        self.scaler.unscale_(optimizer)
+
+
 class FabricRun:
     """One run of a :class:`Loop` under ``plugin`` on one CPU device; :meth:`step` runs one optimizer step.
 

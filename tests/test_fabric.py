@@ -29,6 +29,7 @@ from fabric_loops import (
     START_SCALE,
     FabricRun,
     Loop,
+    UnscalesBeforeFusedSteps,
     assert_same_runs,
     batch,
     fabrics,
@@ -39,7 +40,7 @@ from fabric_loops import (
 )
 from helpers import PNG_SIGNATURE
 from lightning.fabric.loggers import CSVLogger
-from lightning.fabric.plugins.precision import MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -138,15 +139,6 @@ def test_fabrics_builtin_refuses_clipping_with_a_fused_optimizer() -> None:
     run = FabricRun(fabrics(), Loop(steps=1, clip="norm", optimizer="adamw-fused"))
     with pytest.raises(NotImplementedError, match="optimizers handling the unscaling"):
         run.step()
-
-
-class UnscalesBeforeFusedSteps(MixedPrecision):
-    """Fabric's built-in with its refusal of fused optimizers under clipping lifted: GradScaler itself handles an
-    ``unscale_`` before a fused step (the kernel then gets no ``grad_scale``, only ``found_inf``)."""
-
-    def unscale_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        assert self.scaler is not None
-        self.scaler.unscale_(optimizer)
 
 
 @pytest.mark.parametrize("clip", ["norm", "value"])
