@@ -674,3 +674,13 @@ def _clip_norm(grads: list[Tensor], max_norm: float) -> None:
     for param, grad in zip(params, grads, strict=True):
         param.grad = grad
     torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def test_the_plugin_pickles_after_set_up_without_its_modules() -> None:
+    # Fabric pickles its plugin to start ddp_spawn's workers; the modules it learnt from belong to this process.
+    import pickle
+
+    run = train(ours(keep_fp32=[nn.ReLU]), Loop(steps=2, overflow_at=(0,)))
+    copy_ = pickle.loads(pickle.dumps(run.plugin))
+    assert copy_.skipped_steps == 1 and copy_.scaler.get_scale() == run.plugin.scaler.get_scale()
+    assert copy_.device == "cpu" and copy_._modules == [] and copy_._fp32_hooks == []
