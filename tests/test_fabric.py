@@ -40,7 +40,7 @@ from fabric_loops import (
 )
 from helpers import PNG_SIGNATURE
 from lightning.fabric.loggers import CSVLogger
-from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor, nn
@@ -53,6 +53,11 @@ pytestmark = pytest.mark.filterwarnings(r"ignore:.*MixedPrecisionPlugin\('16-mix
 
 OVERFLOWS = (1, 4)  # with growth every 3 clean steps: a back-off, a growth at step 3, a back-off, a growth again
 STEPS = 8
+
+
+def saved_scale(plugin: MixedPrecisionPlugin) -> float:
+    """The scale as a checkpoint holds it: with the move the last step left for the next backward made."""
+    return float(plugin.state_dict()["scaler"]["scale"])
 
 
 def fabric_reference(loop: Loop) -> Loop:
@@ -72,8 +77,9 @@ def test_fp16_equals_fabrics_builtin_with_gradscaler_bit_for_bit_over_overflows(
     theirs = train(fabrics(), fabric_reference(loop))
     assert_same_runs(mine, theirs, what=f"clip={clip}, accumulate={accumulate}, {optimizer}")
     assert mine.plugin.skipped_steps == len(OVERFLOWS)
-    assert mine.plugin.scaler.get_scale() == theirs.plugin.scaler.get_scale()
-    assert mine.plugin.scaler.get_scale() != START_SCALE  # it moved: backed off twice, grew twice (premise)
+    # The scale's last move is made at the next backward, or when the state is saved (as here); GradScaler's at once.
+    assert saved_scale(mine.plugin) == theirs.plugin.scaler.get_scale()
+    assert saved_scale(mine.plugin) != START_SCALE  # it moved: backed off twice, grew twice (premise)
     if clip == "norm":
         # What fabric.clip_gradients returns: torch's norm before clipping on a finite step; 0.0 on a skipped one,
         # where the plugin hands torch nothing to clip (the norm is the plugin's last_grad_norm, inf).
@@ -107,9 +113,10 @@ def test_an_overflow_step_with_fabrics_default_clipping_is_skipped_without_raisi
     for param, state in state_before["state"].items():
         for key, value in state.items():
             assert torch.equal(value, state_after["state"][param][key]), key  # AdamW's moments and step untouched
-    assert plugin.scaler.get_scale() == START_SCALE / 2
-    run.step()
+    assert plugin.scaler.get_scale() == START_SCALE  # the scale the skipped step's gradients carried
+    run.step()  # its backward first backs the scale off
     assert not plugin.last_step_skipped and plugin.skipped_steps == 1
+    assert plugin.scaler.get_scale() == START_SCALE / 2
 
 
 def test_torchs_clip_grad_value_fails_on_an_empty_list_which_the_plugin_never_hands_fabric() -> None:
@@ -132,7 +139,7 @@ def test_fused_adamw_without_clipping_equals_gradscaler_with_fused_adamw_bit_for
     mine, theirs = train(ours(), loop), train(fabrics(), loop)
     assert_same_runs(mine, theirs, what="fused AdamW")
     assert mine.plugin.skipped_steps == len(OVERFLOWS)
-    assert mine.plugin.scaler.get_scale() == theirs.plugin.scaler.get_scale()
+    assert saved_scale(mine.plugin) == theirs.plugin.scaler.get_scale()
 
 
 def test_fabrics_builtin_refuses_clipping_with_a_fused_optimizer() -> None:
@@ -345,8 +352,8 @@ def test_the_monitor_observes_each_step_for_fabric_log_dict(tmp_path: Path) -> N
     run = FabricRun(plugin, Loop(steps=6, clip="norm", overflow_at=(1, 4)), loggers=CSVLogger(tmp_path, name="amp"))
     assert monitor.observe(plugin) == {}  # before the first step: see the xfail below for why this call is needed
     for step in range(6):
-        scale = plugin.scaler.get_scale()
         run.step()
+        scale = plugin.scaler.get_scale()  # after a step, the scale it used (it moves at the next backward)
         metrics = monitor.observe(plugin, model=run.model)
         run.fabric.log_dict(metrics, step=step)
         assert metrics["amp/loss_scale"] == scale  # the scale this step's gradients carried
@@ -632,7 +639,10 @@ def test_optimizer_step_hands_its_arguments_to_the_optimizer_and_moves_the_scale
     plugin.optimizer_step(optimizer, keyword="arg")
     assert calls == [{"keyword": "arg"}]
     if plugin.scaler is not None:
-        assert plugin.scaler.get_scale() == 8.0  # one clean step with growth_interval=1: grown once, not twice
+        # One clean step with growth_interval=1: grown once, not twice, when the next backward starts.
+        assert plugin.scaler.get_scale() == 4.0
+        plugin.backward((weight * 0).sum(), None)
+        assert plugin.scaler.get_scale() == 8.0
     torch.testing.assert_close(weight.detach(), torch.full((2,), 1.0 - 0.1 * 2.0))  # the unscaled gradient, 2
 
 
@@ -684,3 +694,69 @@ def test_the_plugin_pickles_after_set_up_without_its_modules() -> None:
     copy_ = pickle.loads(pickle.dumps(run.plugin))
     assert copy_.skipped_steps == 1 and copy_.scaler.get_scale() == run.plugin.scaler.get_scale()
     assert copy_.device == "cpu" and copy_._modules == [] and copy_._fp32_hooks == []
+
+
+# ------------------------------------------------------------------------------ several optimizers, one backward
+def two_optimizer_run(plugin: Precision, *, split: bool, steps: int = 4, strict: bool = True) -> list[list[Tensor]]:
+    """One backward, then either two SGD optimizers (one per layer, stepped in turn) or one over both layers."""
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    torch.manual_seed(0)
+    module = make_model()
+    groups = [list(module[0].parameters()), list(module[2].parameters())]
+    optimizers = (
+        [torch.optim.SGD(g, lr=0.05) for g in groups] if split else [torch.optim.SGD(groups[0] + groups[1], lr=0.05)]
+    )
+    model = fabric.setup_module(module)
+    optimizers = [fabric.setup_optimizers(o) for o in optimizers]
+    after = []
+    for step in range(steps):
+        x, y = batch(step, 0)
+        fabric.backward(torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == 1 else 1.0))
+        for optimizer in optimizers:
+            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=strict)
+            optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        after.append([p.detach().clone() for p in model.parameters()])
+    return after
+
+
+def test_two_optimizers_stepped_after_one_backward_unscale_by_the_scale_their_gradients_carry() -> None:
+    # The loss scale moves once per iteration, at the next backward: the second optimizer's gradients are unscaled by
+    # the scale they were scaled with. Moving it after each optimizer step (as Fabric's built-in does, reproduced
+    # below) halves the second optimizer's gradients when the scale grows, and doubles them when it backs off.
+    def scaler() -> DynamicLossScaler:
+        return DynamicLossScaler(init_scale=START_SCALE, growth_interval=1)  # grows at every clean step
+
+    split = two_optimizer_run(MixedPrecisionPlugin("16-mixed", "cpu", scaler()), split=True)
+    joint = two_optimizer_run(MixedPrecisionPlugin("16-mixed", "cpu", scaler()), split=False)
+    for step, (a, b) in enumerate(zip(split, joint, strict=True)):
+        for p, q in zip(a, b, strict=True):
+            assert torch.equal(p, q), f"step {step}"
+    gradscaler = torch.amp.GradScaler("cpu", init_scale=START_SCALE, growth_interval=1)
+    builtin = two_optimizer_run(MixedPrecision("16-mixed", "cpu", scaler=gradscaler), split=True, strict=False)
+    assert not torch.equal(builtin[0][2], joint[0][2])  # premise: Fabric's built-in gets the second layer wrong
+
+
+def test_the_scale_move_a_step_leaves_pending_is_in_the_saved_state() -> None:
+    run = train(ours(), Loop(steps=1, overflow_at=(0,)))
+    assert run.plugin.state_dict()["scaler"]["scale"] == START_SCALE / 2
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused"])
+def test_skips_at_the_floor_stop_training_with_a_diagnosis_on_either_path(optimizer: Any) -> None:
+    # At min_scale a skip cannot be helped by backing off: after max_consecutive_skips of them training stops. On the
+    # unscale path in that optimizer.step(); on the fused path the skip is learnt later (no host read in the step),
+    # at the latest when the scale moves, at the next backward.
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0, max_consecutive_skips=2)
+    run = FabricRun(
+        MixedPrecisionPlugin("16-mixed", "cpu", scaler), Loop(steps=5, overflow_at=tuple(range(5)), optimizer=optimizer)
+    )
+    with pytest.raises(FloatingPointError, match="skipped") as caught:
+        run.run()
+    assert "2 optimizer steps in a row were skipped with the loss scale at its floor" in str(caught.value)
+    if optimizer == "adamw":  # on the fused path the names are lost to zero_grad (the guard bug xfailed above)
+        assert "non-finite gradients in 4 parameter(s): 0.weight, 0.bias, 2.weight, 2.bias" in str(caught.value)
+    assert run.next_step <= 3
+    torch.manual_seed(0)  # FabricRun's initial weights: no step was applied
+    assert all(torch.equal(p, q) for p, q in zip(run.module.parameters(), make_model().parameters(), strict=True))

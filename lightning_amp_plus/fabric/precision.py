@@ -14,11 +14,14 @@ here says how it meets it:
   clips :meth:`main_params` with torch's functions: on a step found non-finite, nothing to clip is returned, so the
   default ``error_if_nonfinite=True`` does not raise and the step is skipped;
 * ``optimizer.step()`` reaches :meth:`optimizer_step` with no closure, no model, no end-of-batch hook: the loss scale
-  moves after every optimizer step, as Fabric's own ``MixedPrecision`` does.
+  moves once for all the optimizer steps since the last backward, when the next :meth:`backward` starts (or when the
+  state is saved). Moving it after every optimizer step, as Fabric's own ``MixedPrecision`` does, unscales a second
+  optimizer stepped after the same backward by a scale its gradients were not scaled with. With one optimizer the two
+  are the same sequence of scales.
 
 State owned here: the options, the autocast device, the modules set up (weak references), the hooks keeping
-``keep_fp32`` modules in FP32, whether the ranks are set up, and a zero-gradient stand-in per device
-(:meth:`main_params`). The engine owns the rest.
+``keep_fp32`` modules in FP32, whether the ranks are set up, the optimizers stepped since the scale last moved, and a
+zero-gradient stand-in per device (:meth:`main_params`). The engine owns the rest.
 """
 
 from __future__ import annotations
@@ -73,10 +76,12 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     step (Fabric shows the plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
 
     An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted,
-    in every precision, with fused optimizers too, and whether or not you clip. Parameters equal
-    those of Fabric's own ``MixedPrecision`` with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and
-    unscale; the check made once, before any clipping). Inputs and outputs are converted as Fabric's plugin converts
-    them.
+    in every precision, with fused optimizers too, and whether or not you clip (``fabric.clip_gradients`` then returns
+    0.0: :attr:`last_grad_norm` holds the non-finite norm). Parameters equal those of Fabric's own ``MixedPrecision``
+    with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and unscale; the check made once, before any
+    clipping). The scale moves once per iteration, when the next ``fabric.backward`` starts: several optimizers
+    stepped after one backward are all unscaled by the scale their gradients carry (Fabric's own moves it after each
+    optimizer step). Inputs and outputs are converted as Fabric's plugin converts them.
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
@@ -92,7 +97,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
 
     Attributes:
-        scaler: the loss scaler (``None`` for bf16); save it with your checkpoint by putting the plugin in the state:
+        scaler: the loss scaler (``None`` for bf16); after ``optimizer.step()`` its ``get_scale()`` is the scale that
+            step's gradients carried. Save it with your checkpoint by putting the plugin in the state:
             ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": plugin})``.
         engine: the step engine; ``skipped_steps``, ``last_step_skipped``, ``last_grad_norm``,
             ``last_overflow_params`` and ``recent_steps`` read it.
@@ -143,6 +149,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._optimizers_seen: set[int] = set()
         self._stand_ins: dict[torch.device, Tensor] = {}
         self._suspended = False
+        self._stepped: set[int] = set()  # optimizers stepped since the scale last moved (ids)
 
     def _name(self) -> str:
         """The class name the messages give (the FSDP plugin's inner plugin speaks as the FSDP plugin)."""
@@ -285,6 +292,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # -------------------------------------------------------------------------------------------------- step
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self._end_iteration()  # the steps since the last backward are over: the scale moves once for them
         self.engine.scale_loss(tensor).backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     @override
@@ -292,6 +300,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         # Fabric's clip_gradients calls this first: unscaled, checked and measured here, before any clipping (clipping
         # by value would turn inf into the clip value). Fused optimizers too: their step then takes the unscale path.
         self._set_up(optimizer)
+        self._begin_pass(optimizer)
         self.engine.prepare(optimizer)
 
     @override
@@ -315,13 +324,25 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._set_up(optimizer)
+        self._begin_pass(optimizer)
         output = self.engine.step(optimizer, **kwargs)
-        self.engine.end_batch()  # Fabric has no batch: the scale moves after each optimizer step, as Fabric's does
+        self._stepped.add(id(optimizer))  # the scale moves at the next backward, after every optimizer has stepped
         return output
+
+    def _begin_pass(self, optimizer: Optimizer) -> None:
+        if id(optimizer) in self._stepped:
+            self._end_iteration()  # stepped again with no backward between: its last iteration is over
+
+    def _end_iteration(self) -> None:
+        """Move the loss scale once for the optimizer steps taken since it last moved (none: nothing to do)."""
+        if self._stepped:
+            self._stepped.clear()
+            self.engine.end_batch()
 
     # --------------------------------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._end_iteration()  # the scale's move the next backward would make, made now, so that it is saved
         return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
 
     @override
@@ -332,7 +353,9 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=settings)
 
     def __getstate__(self) -> dict[str, Any]:
-        # Modules and their hooks belong to this process (Fabric pickles the plugin to start ddp_spawn's workers).
+        # Modules and their hooks belong to this process (Fabric pickles the plugin to start ddp_spawn's workers);
+        # the scale's pending move is made first, as for a checkpoint.
+        self._end_iteration()
         return {**self.__dict__, "_modules": [], "_fp32_hooks": []}
 
     @override
