@@ -40,14 +40,18 @@ from lightning_amp_plus.fabric import FSDPMixedPrecisionPlugin, MixedPrecisionPl
 STEPS, FAULT_STEP, FAULT_RANK, MAX_NORM = 6, 2, 1, 0.25
 PRECISIONS = ("16-mixed", "bf16-mixed")
 STRATEGIES = ("ddp", "fsdp", "model_parallel")
+# FSDPMixedPrecisionPlugin(master_weights=True): FSDP's own mixed precision (half parameters all-gathered for compute,
+# FP32 shards and reduction); other arithmetic than DDP's, so it is not compared with DDP.
+FSDP_MASTER = "fsdp-master"
 
 
 def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
     scaler = (
         DynamicLossScaler(init_scale=START_SCALE, growth_interval=GROWTH_INTERVAL) if precision == "16-mixed" else None
     )
-    kind = FSDPMixedPrecisionPlugin if strategy == "fsdp" else MixedPrecisionPlugin
-    return kind(precision, "cpu", scaler)  # type: ignore[arg-type]
+    if strategy in ("fsdp", FSDP_MASTER):
+        return FSDPMixedPrecisionPlugin(precision, "cpu", scaler, master_weights=strategy == FSDP_MASTER)  # type: ignore[arg-type]
+    return MixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[arg-type]
 
 
 def shard_with_fsdp2(model: nn.Module, device_mesh: Any) -> nn.Module:
@@ -61,7 +65,7 @@ def shard_with_fsdp2(model: nn.Module, device_mesh: Any) -> nn.Module:
 
 
 def strategy_for(strategy: str, **options: Any) -> Any:
-    if strategy == "fsdp":
+    if strategy in ("fsdp", FSDP_MASTER):
         return CPUFabricFSDPStrategy(**options)
     if strategy == "model_parallel":
         return ModelParallelStrategy(shard_with_fsdp2, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
@@ -160,9 +164,8 @@ def train(
 # ---------------------------------------------------------------------------------------------- scenarios
 def runs(out: Path) -> dict[str, Any]:
     """Every strategy, both precisions: one fault on one rank at ``FAULT_STEP``."""
-    return {
-        f"{strategy}/{precision}": train(strategy, precision) for strategy in STRATEGIES for precision in PRECISIONS
-    }
+    every = (*STRATEGIES, FSDP_MASTER)
+    return {f"{strategy}/{precision}": train(strategy, precision) for strategy in every for precision in PRECISIONS}
 
 
 def resumed(out: Path) -> dict[str, Any]:
@@ -188,12 +191,12 @@ def test_the_fsdp_plugin_runs_under_fabrics_fsdp_strategy_and_ours_under_the_oth
 ) -> None:
     for record in scenario(ranks, "runs"):
         for key, run in record.items():
-            expected = "FSDPMixedPrecisionPlugin" if key.startswith("fsdp/") else "MixedPrecisionPlugin"
+            expected = "FSDPMixedPrecisionPlugin" if key.startswith("fsdp") else "MixedPrecisionPlugin"
             assert run["plugin"] == expected, key
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
@@ -209,7 +212,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER])
 def test_the_reported_norm_is_the_norm_of_the_whole_unscaled_gradient(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
