@@ -646,7 +646,7 @@ def test_optimizer_step_hands_its_arguments_to_the_optimizer_and_moves_the_scale
     torch.testing.assert_close(weight.detach(), torch.full((2,), 1.0 - 0.1 * 2.0))  # the unscaled gradient, 2
 
 
-def test_fabrics_precision_strings_are_refused_with_the_two_this_plugin_takes() -> None:
+def test_fabrics_precision_aliases_are_refused_naming_the_precisions_this_plugin_takes() -> None:
     for given in ("16", 16, "bf16", "32-true"):
         with pytest.raises(ValueError, match=re.escape("use '16-mixed', 'bf16-mixed' or 'bf16-true'")):
             MixedPrecisionPlugin(given)  # type: ignore[arg-type]
