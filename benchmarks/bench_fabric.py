@@ -5,8 +5,8 @@ What is measured
     plugin's autocast, ``fabric.backward(loss / accumulate)`` per micro-batch (the first under
     ``fabric.no_backward_sync``), ``fabric.clip_gradients(model, optimizer, max_norm=1.0)``, ``optimizer.step()``,
     ``optimizer.zero_grad()``. The model is a small decoder-style transformer (token embedding, 2
-    ``nn.TransformerEncoderLayer`` of width 128 with 4 heads and a causal mask, a linear head over 256 tokens; 430k
-    parameters in 28 tensors) on random tokens, 8 sequences of 64 per micro-batch, 2 micro-batches per step, AdamW
+    ``nn.TransformerEncoderLayer`` of width 128 with 4 heads and a causal mask, a linear head over 256 tokens; 462k
+    parameters in 27 tensors) on random tokens, 8 sequences of 64 per micro-batch, 2 micro-batches per step, AdamW
     (foreach, torch's default: Fabric's built-in refuses clipping with a fused optimizer), on CPU:
 
     * ``16-mixed``: ours (``DynamicLossScaler``) against ``lightning.fabric.plugins.precision.MixedPrecision(
