@@ -108,7 +108,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         fabric.print(f"resumed after {state['step_count']} steps, {plugin.skipped_steps} of them skipped")
 
     monitor = MixedPrecisionMonitor(check_interval=10)
-    monitor.observe(plugin)  # start reading the plugin's steps here: each one from now on is reported once
     max_iters, warmup_iters = args.steps * args.accumulate, 10 * args.accumulate
     loss_value = math.nan
     while state["step_count"] < args.steps:

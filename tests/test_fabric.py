@@ -350,7 +350,6 @@ def test_loading_a_bf16_plugin_state_into_an_fp16_plugin_says_how_to_resume(tmp_
 def test_the_monitor_observes_each_step_for_fabric_log_dict(tmp_path: Path) -> None:
     plugin, monitor = ours(), MixedPrecisionMonitor()
     run = FabricRun(plugin, Loop(steps=6, clip="norm", overflow_at=(1, 4)), loggers=CSVLogger(tmp_path, name="amp"))
-    assert monitor.observe(plugin) == {}  # before the first step: see the xfail below for why this call is needed
     for step in range(6):
         run.step()
         scale = plugin.scaler.get_scale()  # after a step, the scale it used (it moves at the next backward)
@@ -374,11 +373,6 @@ def test_the_monitor_observes_each_step_for_fabric_log_dict(tmp_path: Path) -> N
     assert chart.read_bytes()[:8] == PNG_SIGNATURE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="monitor.py: the first observe() starts reading the plugin's steps from the count at that call, so the "
-    "step just taken is never reported; proposed: start from the engine's oldest unreported step (notes/fabric.md)",
-)
 def test_the_first_observe_after_the_first_step_reports_that_step() -> None:
     plugin, monitor = ours(), MixedPrecisionMonitor()
     run = FabricRun(plugin, Loop(steps=2))
