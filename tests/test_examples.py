@@ -40,6 +40,27 @@ def test_lightning_example_resumes_from_its_halfway_checkpoint(tmp_path: Path, p
     assert (tmp_path / "half.ckpt").exists()
 
 
+def test_fabric_example_skips_its_injected_nan_learns_and_resumes_from_its_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    example = load("fabric_loop")
+    straight = example.main(["--steps", "80", "--fault-at", "20", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert straight["steps"] == 80 and straight["skipped_steps"] == 1
+    assert "step 20: skipped, non-finite gradients in 28 tensors: ['tokens.weight', 'positions.weight']" in out
+    assert "80 optimizer steps, 1 skipped (1.2%) at step 20" in out  # the monitor's summary
+    assert straight["loss"] < 2.0  # from ln 64 = 4.16 towards the data's floor, ln 4 = 1.39
+    assert straight["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "checkpoint.ckpt").exists()  # saved at step 40
+    resumed = example.main(["--steps", "80", "--fault-at", "20", "--out", str(tmp_path / "again"), "--resume",
+                            str(tmp_path / "checkpoint.ckpt")])  # fmt: skip
+    assert resumed["skipped_steps"] == 1  # restored with the plugin's state
+    for p, q in zip(straight["parameters"], resumed["parameters"], strict=True):
+        assert torch.equal(p, q)
+
+
 # ------------------------------------------------------------------------------------------ LightningCLI examples
 CONFIGS = EXAMPLES / "configs"
 # The LightningCLI examples need jsonargparse (the `cli` extra); without it they are not run.

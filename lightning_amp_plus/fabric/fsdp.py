@@ -61,7 +61,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         master_weights: bool = False,
     ) -> None:
         # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
-        self._step = MixedPrecisionPlugin(
+        self._step = _FSDPSteps(
             precision,
             device,
             scaler,
@@ -134,3 +134,10 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     @override
     def teardown(self) -> None:
         self._step.teardown()
+
+
+class _FSDPSteps(MixedPrecisionPlugin):
+    """The Fabric plugin's hooks as the FSDP plugin holds them: its messages name ``FSDPMixedPrecisionPlugin``."""
+
+    def _name(self) -> str:
+        return FSDPMixedPrecisionPlugin.__name__

@@ -4,23 +4,29 @@ A ``lightning.fabric.plugins.precision.Precision`` that adapts Fabric's hooks to
 :class:`~lightning_amp_plus.numerics.engine.StepEngine`. Fabric's contract differs from the Trainer's, and each hook
 here says how it meets it:
 
-* no ``connect``: the plugin never sees the optimizers at set-up, so it learns parameter names from the modules
-  ``fabric.setup`` converts, and where the gradients live (ranks, shards) at the first step;
+* no ``connect``: the plugin never sees the optimizers at set-up, so it keeps the modules ``fabric.setup`` converts
+  and learns from them, at the first forward and the first step, the autocast device (Fabric converts a module
+  *before* it moves it to the device: a model built on the CPU and trained on a GPU is on the CPU then), the
+  parameter names and where the gradients live (ranks, shards);
 * ``fabric.backward(loss)`` calls :meth:`backward`, which must scale the loss itself (what ``pre_backward`` returns is
   ignored);
 * ``fabric.clip_gradients`` calls :meth:`unscale_gradients` (the check happens there, before any clipping) and then
   clips :meth:`main_params` with torch's functions: on a step found non-finite, nothing to clip is returned, so the
   default ``error_if_nonfinite=True`` does not raise and the step is skipped;
 * ``optimizer.step()`` reaches :meth:`optimizer_step` with no closure, no model, no end-of-batch hook: the loss scale
-  moves after every optimizer step, as Fabric's own ``MixedPrecision`` does.
+  moves once for all the optimizer steps since the last backward, when the next :meth:`backward` starts (or when the
+  state is saved). Moving it after every optimizer step, as Fabric's own ``MixedPrecision`` does, unscales a second
+  optimizer stepped after the same backward by a scale its gradients were not scaled with. With one optimizer the two
+  are the same sequence of scales.
 
-State owned here: the options, the autocast device, the parameter names seen, the hooks keeping ``keep_fp32`` modules
-in FP32, whether the ranks are set up, and a zero-gradient stand-in per device (:meth:`main_params`). The engine owns
-the rest.
+State owned here: the options, the autocast device, the modules set up (weak references), the hooks keeping
+``keep_fp32`` modules in FP32, whether the ranks are set up, the optimizers stepped since the scale last moved, and a
+zero-gradient stand-in per device (:meth:`main_params`). The engine owns the rest.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Literal
@@ -70,14 +76,17 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     step (Fabric shows the plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
 
     An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted,
-    in every precision, with fused optimizers too, and whether or not you clip. Parameters equal
-    those of Fabric's own ``MixedPrecision`` with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and
-    unscale; the check made once, before any clipping). Inputs and outputs are converted as Fabric's plugin converts
-    them.
+    in every precision, with fused optimizers too, and whether or not you clip (``fabric.clip_gradients`` then returns
+    0.0: :attr:`last_grad_norm` holds the non-finite norm). Parameters equal those of Fabric's own ``MixedPrecision``
+    with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and unscale; the check made once, before any
+    clipping). The scale moves once per iteration, when the next ``fabric.backward`` starts: several optimizers
+    stepped after one backward are all unscaled by the scale their gradients carry (Fabric's own moves it after each
+    optimizer step). Inputs and outputs are converted as Fabric's plugin converts them.
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
-        device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the model's at setup.
+        device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the one the model is on
+            after ``fabric.setup`` (read at its first forward).
         scaler: the loss scaler for ``"16-mixed"`` (a default one if ``None``); not for bf16.
         skip_nonfinite: with ``"bf16-mixed"``, skip steps whose gradients are non-finite (on by default).
         max_consecutive_skips: skipped steps in a row after which training stops with a diagnosis (``None``: never).
@@ -88,7 +97,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
 
     Attributes:
-        scaler: the loss scaler (``None`` for bf16); save it with your checkpoint by putting the plugin in the state:
+        scaler: the loss scaler (``None`` for bf16); after ``optimizer.step()`` its ``get_scale()`` is the scale that
+            step's gradients carried. Save it with your checkpoint by putting the plugin in the state:
             ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": plugin})``.
         engine: the step engine; ``skipped_steps``, ``last_step_skipped``, ``last_grad_norm``,
             ``last_overflow_params`` and ``recent_steps`` read it.
@@ -116,7 +126,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
     ) -> None:
-        name = type(self).__name__
+        name = self._name()
         check_precision(name, precision)
         self.device = check_device(name, device)
         check_bool(name, "skip_nonfinite", skip_nonfinite)
@@ -133,12 +143,17 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         seed = check_int(name, "rounding_seed", rounding_seed, 0)
         self.engine = StepEngine(guard, hold_schedulers=False, compensation=self.compensation, seed=seed)
         self._desired_input_dtype = self.half_dtype
-        self._names: list[tuple[str, Tensor]] = []
+        self._modules: list[weakref.ref[nn.Module]] = []
         self._fp32_hooks: list[RemovableHandle] = []
         self._ranks_known = False
         self._optimizers_seen: set[int] = set()
         self._stand_ins: dict[torch.device, Tensor] = {}
         self._suspended = False
+        self._stepped: set[int] = set()  # optimizers stepped since the scale last moved (ids)
+
+    def _name(self) -> str:
+        """The class name the messages give (the FSDP plugin's inner plugin speaks as the FSDP plugin)."""
+        return type(self).__name__
 
     def __repr__(self) -> str:
         return f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r})"
@@ -158,7 +173,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     def scaler(self, scaler: DynamicLossScaler | None) -> None:
         if scaler is None and self.precision != "16-mixed":
             return
-        where = f"`{type(self).__name__}.scaler = {scaler!r}`"
+        where = f"`{self._name()}.scaler = {scaler!r}`"
         limit = self._skip_limit
         self.engine.guard = scaler_for(self.precision, scaler, limit, limit != DEFAULT_SKIPS, where)
 
@@ -178,14 +193,28 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         if self.precision == "bf16-true":
             module = module.to(dtype=torch.bfloat16)  # as Fabric's bf16-true: parameters and buffers
         if self.master_weights:
-            refuse_sharded_master_weights(type(self).__name__, module)
+            refuse_sharded_master_weights(self._name(), module)
             widen_to_fp32_(half_parameters(module))  # FP32 masters, before Fabric moves and wraps the model
-        if self.device is None:
-            param = next(module.parameters(), None)
-            self.device = param.device.type if param is not None and param.device.type != "meta" else None
-        self._names.extend(user_names(module))
-        self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, self.device or default_device()))
+        # Fabric converts before it moves the module to its device and wraps it (DDP, FSDP): the device and the
+        # parameters' names are read from the module later, once it is where it will train.
+        self._modules.append(weakref.ref(module))
+        if self.device is not None:
+            self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, self.device))
         return module
+
+    def _autocast_device(self) -> str:
+        """The autocast device type: the one given, else the set-up modules' (learnt once), else the default."""
+        if self.device is None:
+            found = next((p.device.type for m in self._live_modules() for p in m.parameters()), None)
+            if found is None or found == "meta":
+                return default_device()  # nothing set up yet (`fabric.autocast()` before `fabric.setup`)
+            self.device = found
+            for module in self._live_modules():
+                self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, found))
+        return self.device
+
+    def _live_modules(self) -> list[nn.Module]:
+        return [module for ref in self._modules if (module := ref()) is not None]
 
     def _set_up(self, optimizer: Optimizer) -> None:
         """What Fabric never tells a plugin at set-up, learnt at the first step: the ranks, the names, the device."""
@@ -193,8 +222,9 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
             self._optimizers_seen.add(id(optimizer))
             if isinstance(optimizer, LBFGS) and self.engine.guard is not None:
                 raise TypeError(
-                    f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
-                    "closure inside `step()`, where gradients cannot be checked or unscaled first."
+                    f"{self._name()}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
+                    "closure inside `step()`, where gradients cannot be checked or unscaled first. Use another "
+                    f"optimizer, or {self._name()}('bf16-mixed', skip_nonfinite=False)."
                 )
             if self.compensation is not None:
                 self.engine.compensator(optimizer)  # refuses an optimizer it does not implement, before its step
@@ -203,10 +233,11 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
             return
         self._ranks_known = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if self.device is None and params:
-            self.device = params[0].device.type
-        check_device_supports(type(self).__name__, self.device or default_device(), self.precision)
-        guard.set_parameter_names(self._names)
+        if self.device is None and not self._live_modules() and params:
+            self.device = params[0].device.type  # no module was set up with Fabric: the optimizer's parameters
+        check_device_supports(self._name(), self._autocast_device(), self.precision)
+        # The names as the user's model gives them, read now that Fabric has wrapped it (FSDP replaces parameters).
+        guard.set_parameter_names([pair for module in self._live_modules() for pair in user_names(module)])
         set_up_ranks(guard, params)
 
     # ---------------------------------------------------------------------------------------------- autocast
@@ -218,7 +249,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         """The precision's forward context: autocast (``*-mixed``) or bf16 default tensors (``bf16-true``)."""
         if self.precision == "bf16-true":
             return _DtypeContextManager(torch.bfloat16)  # as Fabric's bf16-true: tensors made in forward are bf16
-        return torch.autocast(self.device or default_device(), dtype=self.half_dtype)
+        return torch.autocast(self._autocast_device(), dtype=self.half_dtype)
 
     @contextmanager
     def autocast_suspended(self) -> Iterator[None]:
@@ -261,6 +292,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # -------------------------------------------------------------------------------------------------- step
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        self._end_iteration()  # the steps since the last backward are over: the scale moves once for them
         self.engine.scale_loss(tensor).backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     @override
@@ -268,6 +300,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         # Fabric's clip_gradients calls this first: unscaled, checked and measured here, before any clipping (clipping
         # by value would turn inf into the clip value). Fused optimizers too: their step then takes the unscale path.
         self._set_up(optimizer)
+        self._begin_pass(optimizer)
         self.engine.prepare(optimizer)
 
     @override
@@ -291,13 +324,25 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._set_up(optimizer)
+        self._begin_pass(optimizer)
         output = self.engine.step(optimizer, **kwargs)
-        self.engine.end_batch()  # Fabric has no batch: the scale moves after each optimizer step, as Fabric's does
+        self._stepped.add(id(optimizer))  # the scale moves at the next backward, after every optimizer has stepped
         return output
+
+    def _begin_pass(self, optimizer: Optimizer) -> None:
+        if id(optimizer) in self._stepped:
+            self._end_iteration()  # stepped again with no backward between: its last iteration is over
+
+    def _end_iteration(self) -> None:
+        """Move the loss scale once for the optimizer steps taken since it last moved (none: nothing to do)."""
+        if self._stepped:
+            self._stepped.clear()
+            self.engine.end_batch()
 
     # --------------------------------------------------------------------------------------------- checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
+        self._end_iteration()  # the scale's move the next backward would make, made now, so that it is saved
         return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
 
     @override
@@ -305,7 +350,13 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         settings: dict[str, object] = {"precision": self.precision, "master_weights": self.master_weights}
         if self.compensation is not None:
             settings["compensation"] = self.compensation
-        _plugin_state.load_state(state_dict, self.engine, owner=type(self).__name__, settings=settings)
+        _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=settings)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Modules and their hooks belong to this process (Fabric pickles the plugin to start ddp_spawn's workers);
+        # the scale's pending move is made first, as for a checkpoint.
+        self._end_iteration()
+        return {**self.__dict__, "_modules": [], "_fp32_hooks": []}
 
     @override
     def teardown(self) -> None:
