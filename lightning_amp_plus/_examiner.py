@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_amp_plus._front_end import unwrapped
 from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.numerics.headroom import LayerHeadroom, measure_headroom
 from lightning_amp_plus.numerics.outcome import StepResult
@@ -126,7 +127,7 @@ class Replay:
     @classmethod
     def of_fabric(cls, plugin: Any, model: nn.Module, run: Callable[[], Tensor]) -> Replay:
         """A Fabric loop's batch: ``run`` recomputes its loss with ``model`` (Fabric's wrapper is fine)."""
-        module = getattr(model, "module", model)  # Fabric's wrapper holds the user's module as `.module`
+        module = unwrapped(model)  # the user's module: names as the user wrote them
         min_scale = plugin.min_scale if getattr(plugin, "min_scale", None) is not None else 1.0
         suspended = getattr(plugin, "autocast_suspended", nullcontext)
         return cls(module, run, _autocast_of(plugin), plugin.half_dtype, min_scale, suspended)

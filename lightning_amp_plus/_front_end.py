@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.wrappers import _FabricModule
 from torch import Tensor, nn
+from torch._dynamo.eval_frame import OptimizedModule
+from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus.numerics.checks import check_bool, check_int
 from lightning_amp_plus.numerics.compensated import Method
@@ -29,6 +33,7 @@ __all__ = [
     "check_compensation",
     "check_device",
     "check_device_supports",
+    "check_fsdp_precision",
     "check_module_types",
     "check_precision",
     "check_skip_limit",
@@ -41,6 +46,7 @@ __all__ = [
     "scaler_for",
     "set_up_ranks",
     "sharding_of",
+    "unwrapped",
     "user_names",
     "world_size",
 ]
@@ -69,6 +75,19 @@ def check_precision(name: str, precision: object) -> None:
     if precision not in PRECISIONS:
         raise ValueError(
             f"`{name}(precision={precision!r})` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'."
+        )
+
+
+def check_fsdp_precision(name: str, precision: object, framework: str) -> None:
+    """Refuse a precision other than the two mixed ones for an FSDP plugin, naming the framework's own way to it.
+
+    bf16-true under FSDP1 is FSDP's own bf16 shards: the compensated update is not defined on its flat parameters.
+    """
+    if precision not in ("16-mixed", "bf16-mixed"):
+        raise ValueError(
+            f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed' (for '32-true', "
+            f"'16-true' or 'bf16-true' under FSDP, use {framework}(strategy='fsdp', precision={precision!r}) without "
+            "this plugin)."
         )
 
 
@@ -190,8 +209,27 @@ def refuse_sharded_master_weights(name: str, module: nn.Module) -> None:
 
 
 def user_names(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameter names as the user wrote them (without FSDP's wrapper prefixes), for diagnostics."""
-    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in module.named_parameters()]
+    """Parameter names as the user wrote them, for diagnostics.
+
+    Fabric's, DDP's and ``torch.compile``'s wrappers are looked through (their ``named_parameters()`` prefix every name
+    with ``_forward_module.``, ``module.`` or ``_orig_mod.``), and FSDP1's ``_fsdp_wrapped_module.`` is dropped.
+    """
+    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in unwrapped(module).named_parameters()]
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The user's own module inside Fabric's ``_FabricModule``, DDP, FSDP1 and ``torch.compile``'s wrappers (nested).
+
+    Only these wrappers are looked through: a ``module`` attribute of any other module (a LightningModule's included)
+    is the user's own submodule.
+    """
+    while True:
+        if isinstance(module, (_FabricModule, DistributedDataParallel, FullyShardedDataParallel)):
+            module = module.module
+        elif isinstance(module, OptimizedModule):
+            module = module._orig_mod
+        else:
+            return module
 
 
 def world_size() -> int:

@@ -25,10 +25,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus import _plugin_state
-from lightning_amp_plus._front_end import DEFAULT_SKIPS, plugin_str
+from lightning_amp_plus._front_end import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
 from lightning_amp_plus.numerics.engine import EngineReadings
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-from lightning_amp_plus.precision import MixedPrecisionPlugin, unwrap
+from lightning_amp_plus.precision import MixedPrecisionPlugin
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -70,12 +70,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
     ) -> None:
-        if precision not in ("16-mixed", "bf16-mixed"):
-            raise ValueError(
-                f"`FSDPMixedPrecisionPlugin(precision={precision!r})` is not supported: use '16-mixed' or "
-                "'bf16-mixed' (for '32-true', '16-true' or 'bf16-true' under FSDP, use Lightning's "
-                f"Trainer(strategy='fsdp', precision={precision!r}))."
-            )
+        check_fsdp_precision(type(self).__name__, precision, "Trainer")
         # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
         self._step = MixedPrecisionPlugin(
             precision,
@@ -215,7 +210,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     def _refuse_a_second_policy(self, model: nn.Module) -> None:
         # Master weights are done by FSDP (`mixed_precision_config`), before this hook. Only a policy given to the
         # strategy as well could be in the way: Lightning takes the strategy's over the plugin's without a word.
-        strategy = getattr(getattr(unwrap(model), "_trainer", None), "strategy", None)
+        strategy = getattr(getattr(unwrapped(model), "_trainer", None), "strategy", None)
         if getattr(strategy, "mixed_precision", None) is not None:
             raise ValueError(
                 "FSDPMixedPrecisionPlugin(master_weights=True) and FSDPStrategy(mixed_precision=...) both set FSDP's "

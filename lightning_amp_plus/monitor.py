@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_amp_plus import _memory
 from lightning_amp_plus._examiner import Examiner, Replay, trainer_replay
+from lightning_amp_plus._front_end import user_names
 from lightning_amp_plus._step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
 from lightning_amp_plus.numerics.autopsy import Autopsy
 from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
@@ -200,7 +201,7 @@ class MixedPrecisionMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
-        self._named = list(pl_module.named_parameters())
+        self._named = user_names(pl_module)
 
     @override
     def on_train_batch_start(
@@ -311,7 +312,7 @@ class MixedPrecisionMonitor(Callback):
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
         if model is not None and self._checking(last + 1):
-            self._found(None, model, "parameters", nonfinite_names(list(model.named_parameters())), last)
+            self._found(None, model, "parameters", nonfinite_names(user_names(model)), last)
         return metrics
 
     def summary(self) -> str:
@@ -437,7 +438,7 @@ class MixedPrecisionMonitor(Callback):
         state = {key: local_view(value).detach().cpu() for key, value in module.state_dict().items()}
         if trainer is None or trainer.is_global_zero:
             path.parent.mkdir(parents=True, exist_ok=True)
-            named = self._named or list(module.named_parameters())
+            named = self._named or user_names(module)
             grads = {n: local_view(p.grad).detach().cpu() for n, p in named if p.grad is not None}
             scale = self.history.steps[-1].scale if self.history.steps else None
             torch.save(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -49,6 +49,7 @@ from lightning_amp_plus._front_end import (
     refuse_sharded_master_weights,
     scaler_for,
     set_up_ranks,
+    unwrapped,
     user_names,
 )
 from lightning_amp_plus.numerics.checks import check_int
@@ -212,7 +213,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # -------------------------------------------------------------------------------------------------- set-up
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if getattr(unwrap(module), "_trainer", None) is None:
+        if getattr(unwrapped(module), "_trainer", None) is None:
             # Only Lightning Fabric converts a module that no Trainer holds (at `fabric.setup`, before any forward).
             raise TypeError(
                 f"{type(self).__name__} is the Trainer's plugin; with Lightning Fabric use "
@@ -248,7 +249,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         _refuse_deepspeed(type(self).__name__, model)
         for optimizer in optimizers:
             self._refuse_lbfgs(optimizer)
-        module = unwrap(model)
+        module = unwrapped(model)
         self._resolve_device(model)
         self.engine.set_optimizers([_inner(optimizer) for optimizer in optimizers])
         self._hooks_read_gradients = _hooks_may_read_gradients(module)
@@ -447,21 +448,10 @@ def _hooks_may_read_gradients(module: nn.Module) -> bool:
 
 def _fitting(module: nn.Module, default: bool = True) -> bool:
     """Whether the Trainer that holds ``module`` is fitting (``Strategy.setup`` runs for validate/test/predict too)."""
-    trainer = getattr(unwrap(module), "_trainer", None)
+    trainer = getattr(unwrapped(module), "_trainer", None)
     if trainer is None:
         return default
     return bool(trainer.state.fn == "fit")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP and Lightning wrappers.
-
-    Unwrapping stops at the LightningModule: a ``module`` attribute there is the user's own submodule.
-    """
-    inner: nn.Module = model
-    while not isinstance(inner, pl.LightningModule) and isinstance(getattr(inner, "module", None), nn.Module):
-        inner = cast(nn.Module, inner.module)
-    return inner
 
 
 def skipped_steps(source: pl.Trainer | Precision) -> int | None:

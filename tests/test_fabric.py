@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 import lightning_amp_plus
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor
+from lightning_amp_plus._front_end import user_names
 from lightning_amp_plus.fabric import FSDPMixedPrecisionPlugin, MixedPrecisionPlugin
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:.*MixedPrecisionPlugin\('16-mixed'\) on CPU:UserWarning")
@@ -247,22 +248,14 @@ def test_last_grad_norm_is_the_norm_fabric_clip_gradients_returns_on_a_finite_st
             assert norm == run.clip_norms[step] and not run.plugin.last_step_skipped  # the same float32, exactly
 
 
-FUSED_NAMES_LOST = pytest.mark.xfail(
-    strict=True,
-    reason="numerics/guard.py: on the fused path the names are looked up lazily, filtering the parameters by "
-    "`p.grad is not None` at read time; after Fabric's optimizer.zero_grad() no gradient is left, so no name is. "
-    "Proposed: name from the parameters measured at the step, which all had gradients (notes/fabric.md)",
-)
-
-
 @pytest.mark.parametrize(
     ("precision", "optimizer"),
     [
         ("16-mixed", "adamw"),
         ("16-mixed", "sgd"),
         ("bf16-mixed", "sgd"),
-        pytest.param("16-mixed", "adamw-fused", marks=FUSED_NAMES_LOST),
-        pytest.param("bf16-mixed", "adamw-fused", marks=FUSED_NAMES_LOST),
+        ("16-mixed", "adamw-fused"),
+        ("bf16-mixed", "adamw-fused"),
     ],
 )
 def test_last_overflow_params_names_the_parameters_as_named_parameters_gives_them(
@@ -380,17 +373,24 @@ def test_the_first_observe_after_the_first_step_reports_that_step() -> None:
     assert monitor.observe(plugin, model=run.model)["amp/loss_scale"] == START_SCALE
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="monitor.py: observe(model=fabric_model) names parameters by the _FabricModule's own named_parameters(), "
-    "'_forward_module.0.weight'; proposed: unwrap Fabric's (and DDP's) wrappers before naming (notes/fabric.md)",
-)
 def test_the_monitor_names_a_non_finite_parameter_of_a_fabric_model_as_the_users_model_does() -> None:
     plugin, monitor = ours("bf16-mixed", skip_nonfinite=False), MixedPrecisionMonitor()
     run = FabricRun(plugin, Loop(steps=1, nan_at=(0,), optimizer="sgd")).run()
     with pytest.warns(UserWarning, match="non-finite parameters"):
         monitor.observe(plugin, model=run.model)
     assert monitor.history.nonfinite_events[-1][2] == ["0.weight", "0.bias", "2.weight", "2.bias"]
+
+
+def test_names_look_through_fabrics_and_compiles_wrappers_but_not_a_users_module_attribute() -> None:
+    class Holder(nn.Module):  # a user's model whose submodule is called `module`: its names keep the prefix
+        def __init__(self) -> None:
+            super().__init__()
+            self.module = nn.Linear(2, 2)
+
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[ours()])
+    wrapped = fabric.setup_module(torch.compile(Holder()))
+    assert [name for name, _ in user_names(wrapped)] == ["module.weight", "module.bias"]
+    assert [name for name, _ in user_names(Holder())] == ["module.weight", "module.bias"]
 
 
 # ----------------------------------------------------------------------------------------------- refusals
@@ -445,13 +445,9 @@ BAD_ARGUMENTS = [
     (
         {"precision": "16-true"},
         ValueError,
-        "`{name}(precision='16-true')` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'",
+        "`{name}(precision='16-true')` is not supported: use '16-mixed'",
     ),
-    (
-        {"precision": 16},
-        ValueError,
-        "`{name}(precision=16)` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'",
-    ),
+    ({"precision": 16}, ValueError, "`{name}(precision=16)` is not supported: use '16-mixed'"),
     ({"device": "tpu"}, ValueError, "`{name}(device='tpu')` is not supported: use 'cuda', 'cpu', 'mps' or None"),
     ({"scaler": torch.amp.GradScaler("cpu")}, TypeError, "`{name}(precision='16-mixed', scaler=<torch.amp.grad_scaler"),
     (
@@ -477,6 +473,13 @@ def test_a_bad_argument_is_refused_naming_the_plugin_the_argument_its_value_and_
 ) -> None:
     with pytest.raises(error, match=re.escape(message.format(name=plugin.__name__))):
         plugin(**arguments)
+
+
+def test_the_fsdp_plugin_refuses_bf16_true_naming_fabrics_own() -> None:
+    # FSDP1 keeps flat bf16 shards of its own: the compensated update is not defined there (the Trainer's FSDP plugin
+    # refuses it too); Fabric's FSDPStrategy with precision='bf16-true' is plain bf16-true.
+    with pytest.raises(ValueError, match=re.escape("use Fabric(strategy='fsdp', precision='bf16-true') without")):
+        FSDPMixedPrecisionPlugin("bf16-true")  # type: ignore[arg-type]
 
 
 def test_the_fix_each_scaler_refusal_names() -> None:
@@ -749,8 +752,7 @@ def test_skips_at_the_floor_stop_training_with_a_diagnosis_on_either_path(optimi
     with pytest.raises(FloatingPointError, match="skipped") as caught:
         run.run()
     assert "2 optimizer steps in a row were skipped with the loss scale at its floor" in str(caught.value)
-    if optimizer == "adamw":  # on the fused path the names are lost to zero_grad (the guard bug xfailed above)
-        assert "non-finite gradients in 4 parameter(s): 0.weight, 0.bias, 2.weight, 2.bias" in str(caught.value)
+    assert "non-finite gradients in 4 parameter(s): 0.weight, 0.bias, 2.weight, 2.bias" in str(caught.value)
     assert run.next_step <= 3
     torch.manual_seed(0)  # FabricRun's initial weights: no step was applied
     assert all(torch.equal(p, q) for p, q in zip(run.module.parameters(), make_model().parameters(), strict=True))

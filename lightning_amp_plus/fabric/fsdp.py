@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._front_end import DEFAULT_SKIPS
+from lightning_amp_plus._front_end import DEFAULT_SKIPS, check_fsdp_precision
 from lightning_amp_plus.fabric.precision import MixedPrecisionPlugin
 from lightning_amp_plus.numerics.engine import EngineReadings
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
@@ -60,6 +60,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
     ) -> None:
+        check_fsdp_precision(type(self).__name__, precision, "Fabric")
         # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
         self._step = _FSDPSteps(
             precision,

@@ -193,6 +193,12 @@ def check_bool(owner: str, name: str, value: object) -> None:
         Traceback (most recent call last):
         ...
         TypeError: `MixedPrecisionPlugin(master_weights='false')` must be True or False, not a str.
+        >>> check_bool("MixedPrecisionPlugin", "master_weights", 1)
+        Traceback (most recent call last):
+        ...
+        TypeError: `MixedPrecisionPlugin(master_weights=1)` must be True or False, not an int.
     """
     if not isinstance(value, bool):
-        raise TypeError(f"`{owner}({name}={show(value)})` must be True or False, not a {type(value).__name__}.")
+        kind = type(value).__name__
+        article = "an" if kind[:1].lower() in "aeiou" else "a"
+        raise TypeError(f"`{owner}({name}={show(value)})` must be True or False, not {article} {kind}.")

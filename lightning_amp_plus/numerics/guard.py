@@ -336,7 +336,8 @@ class GradientGuard:
 
     def _step_fused(self, optimizer: Optimizer, step: _Pass, kwargs: dict[str, Any]) -> Any:
         """The fused path: a read-only measure, the flag and the scale to the optimizer's kernel, no host read."""
-        grads = [p.grad for p in step.params if p.grad is not None]
+        owners = [p for p in step.params if p.grad is not None]
+        grads = [p.grad for p in owners if p.grad is not None]
         device = grads[0].device
         zero, one = self._flag_constants(device)
         with torch.no_grad():
@@ -351,7 +352,8 @@ class GradientGuard:
             flag = torch.where(torch.isfinite(total), zero, one)
         step.stage = Stage.STEPPED
         record = step.record
-        record.namer = lambda: self._named_nonfinite(optimizer, step.params, norms)
+        # The names are read later (on request), after zero_grad: the owners of the measured gradients are kept now.
+        record.namer = lambda: self._named_nonfinite(optimizer, owners, norms)
         self._pending.add_step(record, flag, total)
         self._results[id(optimizer)] = StepResult(record, self._sync, ready=lambda: self._pending.ready(record))
         # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step. They
@@ -451,15 +453,14 @@ class GradientGuard:
     def _nonfinite_names(self, optimizer: Optimizer, params: list[Tensor], grads: list[Tensor]) -> list[str]:
         with torch.no_grad():
             norms = measure(grads if self.sharding is None else local_views(grads), grads[0].device)
-        return self._named_nonfinite(optimizer, params, norms)
+        return self._named_nonfinite(optimizer, [p for p in params if p.grad is not None], norms)
 
-    def _named_nonfinite(self, optimizer: Optimizer, params: list[Tensor], norms: Tensor) -> list[str]:
-        """The names of ``params`` whose gradient norm in ``norms`` is non-finite (a host read)."""
+    def _named_nonfinite(self, optimizer: Optimizer, owners: list[Tensor], norms: Tensor) -> list[str]:
+        """The names of ``owners`` (one per entry of ``norms``) whose gradient norm is non-finite (a host read)."""
         bad = set(torch.nonzero(~torch.isfinite(norms)).flatten().tolist())
         groups = optimizer.param_groups
         places = {id(p): f"param_groups[{g}][{i}]" for g, grp in enumerate(groups) for i, p in enumerate(grp["params"])}
-        with_grads = [p for p in params if p.grad is not None]
-        return [self._names.get(id(p), places.get(id(p), "?")) for i, p in enumerate(with_grads) if i in bad]
+        return [self._names.get(id(p), places.get(id(p), "?")) for i, p in enumerate(owners) if i in bad]
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle between iterations only (as GradScaler): device tensors and references to parameters are dropped."""
