@@ -39,8 +39,8 @@ def test_matmul_throughput_is_measured_at_a_size_that_fits_the_budget() -> None:
 @pytest.mark.parametrize(
     ("report", "precision", "master_weights", "reason"),
     [
-        (cuda("NVIDIA A100", "8.0", {"float32": 19.0, "bfloat16": 250.0}), "bf16-mixed", True, "Ampere or newer"),
-        (cuda("Tesla V100", "7.0", {"float32": 14.0, "float16": 100.0}), "16-mixed", True, "predates Ampere"),
+        (cuda("NVIDIA A100", "8.0", {"float32": 19.0, "bfloat16": 250.0}), "bf16-mixed", False, "Ampere or newer"),
+        (cuda("Tesla V100", "7.0", {"float32": 14.0, "float16": 100.0}), "16-mixed", False, "predates Ampere"),
         (cuda("Tesla K80", "3.7", {"float32": 4.0}, {"float16": False, "bfloat16": False}), "32-true", False, "fp32"),
         (cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.001}), "32-true", False, "100x slower"),
         (cpu({"float32": 1.0, "float16": None, "bfloat16": 4.0}), "bf16-mixed", False, "4.0x faster"),
@@ -67,7 +67,7 @@ def test_doctor_json_recommends_fp16_for_a_gpu_without_bf16(
     assert [device["label"] for device in data["devices"]] == ["cpu", "cuda:0"]
     chosen = data["recommended"]
     assert (chosen["device"], chosen["precision"]) == ("cuda:0", "16-mixed")
-    assert chosen["code"] == 'Trainer(plugins=[MixedPrecisionPlugin("16-mixed", master_weights=True)])'
+    assert chosen["code"] == 'Trainer(plugins=[MixedPrecisionPlugin("16-mixed")])'
 
 
 def test_doctor_measures_this_machine_and_recommends_consistently(capsys: pytest.CaptureFixture[str]) -> None:

@@ -97,7 +97,8 @@ class Recommendation:
     Attributes:
         device: the device label (``cpu``, ``cuda:0``).
         precision: ``"bf16-mixed"``, ``"16-mixed"`` or ``"32-true"``.
-        master_weights: whether ``MixedPrecisionPlugin(master_weights=True)`` is recommended to save memory.
+        master_weights: whether ``MixedPrecisionPlugin(master_weights=True)`` is recommended (never on its own
+            judgement: it matters for a model built or loaded in half, which the doctor cannot see; the reasons say).
         code: the Trainer argument that applies it.
         reasons: one sentence per decision.
 
@@ -257,8 +258,8 @@ def recommend(report: DeviceReport) -> Recommendation:
     * CPU: ``bf16-mixed`` only if a bf16 matmul was measured faster than fp32 (CPUs with AMX or AVX512-BF16); else
       ``32-true``: mixed precision on such a CPU checks correctness but slows training down. fp16 is never
       recommended on CPU (it has no fast fp16 path on any common CPU).
-    * ``master_weights=True`` on CUDA: the model in the half dtype, FP32 masters in the optimizer: no per-forward
-      weight casts and a lower forward/backward peak (the autocast copies of the weights are gone).
+    * ``master_weights`` is not recommended by itself: an FP32 model under ``*-mixed`` already steps FP32 weights; it
+      is for a model built or loaded in half (the reasons say so, and what saves memory: ``bf16-true`` compensated).
 
     Examples:
         >>> old_gpu = DeviceReport("cuda", 0, "Tesla V100", {"capability": "7.0", "bf16_native": False},
@@ -280,17 +281,17 @@ def _recommend_cuda(report: DeviceReport) -> Recommendation:
     capability = report.details.get("capability", "?")
     native = bool(report.details.get("bf16_native")) and report.autocast.get("bfloat16", False)
     memory = (
-        "master_weights=True: the model is held in the half dtype and FP32 masters live in the optimizer, so "
-        "autocast no longer makes (and keeps through backward) a 2-byte half copy of every weight in each forward: "
-        "a lower peak during forward/backward and no cast kernels, for 2 extra bytes per parameter only during the "
-        "step; updates stay FP32-accurate. Leave it off if a custom module needs FP32 weights outside keep_fp32."
+        "master_weights: not needed for an FP32 model (under *-mixed its FP32 weights are the masters); set "
+        "master_weights=True when the model is built or loaded in fp16/bf16, so it trains on FP32 masters. To hold "
+        'less memory per parameter, MixedPrecisionPlugin("bf16-true") keeps bf16 weights with Kahan-compensated '
+        "updates: 12 bytes per parameter with AdamW against 16."
     )
     if native:
         return Recommendation(
             report.label,
             "bf16-mixed",
-            True,
-            'Trainer(plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights=True)])',
+            False,
+            'Trainer(plugins=[MixedPrecisionPlugin("bf16-mixed")])',
             [
                 f"compute capability {capability} (Ampere or newer) computes bf16 natively"
                 f"{_ratio_text(report, 'bfloat16')}; bf16 has fp32's exponent range, so it needs no loss scaling and "
@@ -302,8 +303,8 @@ def _recommend_cuda(report: DeviceReport) -> Recommendation:
         return Recommendation(
             report.label,
             "16-mixed",
-            True,
-            'Trainer(plugins=[MixedPrecisionPlugin("16-mixed", master_weights=True)])',
+            False,
+            'Trainer(plugins=[MixedPrecisionPlugin("16-mixed")])',
             [
                 f"compute capability {capability} predates Ampere: no native bf16 (emulated bf16 is slow), so fp16 "
                 f"with dynamic loss scaling{_ratio_text(report, 'float16')}; DynamicLossScaler's defaults find the "
@@ -322,9 +323,7 @@ def _recommend_cuda(report: DeviceReport) -> Recommendation:
 
 def _recommend_cpu(report: DeviceReport) -> Recommendation:
     ratio = report.speedup("bfloat16")
-    no_master = (
-        "master_weights: not needed on CPU, where memory rarely limits training; it saves memory only, not time."
-    )
+    no_master = "master_weights: only for a model built or loaded in fp16/bf16 (it trains it on FP32 masters)."
     if report.autocast.get("bfloat16", False) and ratio is not None and ratio >= _CPU_SPEEDUP_NEEDED:
         return Recommendation(
             report.label,
