@@ -274,17 +274,17 @@ def sharding_of(params: Sequence[Tensor], wrapper: nn.Module | None = None) -> S
 
 
 def refuse_removed_options(name: str, half_modules: object, fp32_grad_accumulation: object) -> None:
-    """Refuse the options of 0.1's master weights, saying what replaced them."""
+    """Refuse the options of the earlier master-weights design (half copies in the parameters), naming the fix."""
     if half_modules is not None:
         raise ValueError(
-            f"`{name}(half_modules={half_modules!r})` was removed in 0.2: master weights now compute through "
+            f"`{name}(half_modules={half_modules!r})` was removed: master weights now compute through "
             "autocast's per-use casts, which find every layer autocast runs in half (transformers' Conv1D "
             "included) and keep the FP32 weights visible to your hooks. Drop half_modules; to keep modules in FP32, "
             "use keep_fp32=(...)."
         )
     if fp32_grad_accumulation is not True:
         raise ValueError(
-            f"`{name}(fp32_grad_accumulation={fp32_grad_accumulation!r})` was removed in 0.2: gradients are always "
+            f"`{name}(fp32_grad_accumulation={fp32_grad_accumulation!r})` was removed: gradients are always "
             "accumulated in FP32 now, as under Lightning's *-mixed. Drop fp32_grad_accumulation."
         )
 

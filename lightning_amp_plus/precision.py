@@ -93,7 +93,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         master_weights: every floating parameter is an FP32 master: a model built or loaded in fp16/bf16 is widened
             to FP32 before training, then trains as an FP32 model under ``*-mixed`` (autocast computes in half from
             the FP32 weights; hooks and callbacks see and change FP32 values). Under DDP the gradients are also
-            all-reduced in the half dtype (half the bytes). See the README's "FP32 master weights".
+            all-reduced in the half dtype (half the bytes). See the documentation's "Master weights" page.
         keep_fp32: module types whose forward runs in FP32 (autocast off inside them, their inputs widened): for a
             layer whose fp16 output overflows, or that needs FP32 precision.
         compensation: with ``"bf16-true"``, how the bf16 weights keep updates smaller than their spacing:
