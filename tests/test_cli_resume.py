@@ -123,3 +123,37 @@ def test_resume_that_cannot_continue_the_saved_run_is_refused_before_training(
     err = usage_error(["train", *tiny, *argv, "--ckpt-dir", str(ckpt), "--resume"], capsys)
     assert fragment in err, err
     assert snapshot(ckpt) == before
+
+
+def test_a_bf16_true_run_resumes_with_its_compensation_named_or_not_and_refuses_another(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Without --compensation a bf16-true run is Kahan-compensated: the checkpoint records that, so naming it on resume
+    # is the same run, and another compensation is refused naming the flag and both values.
+    folder = tmp_path / "ckpt"
+    bf16_true = [arg for arg in TINY if arg != "16-mixed"] + ["bf16-true"]
+    done = amp_plus("train", *bf16_true, "--max-steps", "2", "--ckpt-dir", str(folder), timeout=180)
+    assert done.returncode == 0, done.stderr
+    before = snapshot(folder)
+    err = usage_error(
+        [
+            "train",
+            *bf16_true,
+            "--compensation",
+            "stochastic",
+            "--max-steps",
+            "4",
+            "--ckpt-dir",
+            str(folder),
+            "--resume",
+        ],
+        capsys,
+    )
+    assert "--compensation 'kahan' there, 'stochastic' here" in err, err
+    assert snapshot(folder) == before
+    done = amp_plus(
+        "train", *bf16_true, "--compensation", "kahan", "--max-steps", "4", "--ckpt-dir", str(folder), "--resume",
+        timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "resuming from" in done.stdout and saved_step(folder / "last.ckpt") == 4

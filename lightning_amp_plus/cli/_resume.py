@@ -28,8 +28,8 @@ __all__ = ["ResumePoint", "RunRecord", "read_resume_point"]
 _FREE = frozenset({"num_workers", "data_dir", "download"})
 # The settings a flag of `amp-plus train` sets, named as the flag in messages.
 _FLAGS = frozenset(
-    {"precision", "master_weights", "width", "dropout", "lr", "hidden_dim", "embed_dim", "max_len", "batch_size",
-     "num_train", "num_val", "seed"}
+    {"precision", "master_weights", "compensation", "width", "dropout", "lr", "hidden_dim", "embed_dim", "max_len",
+     "batch_size", "num_train", "num_val", "seed"}
 )  # fmt: skip
 
 

@@ -72,7 +72,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "task": str(args.task),
             "precision": precision,
             "master_weights": amp.master_weights,
-            "compensation": amp.compensation,
+            "compensation": compensation_in_effect(precision, amp.compensation),
         }
     )
     resume = None
@@ -297,9 +297,19 @@ def _start_line(
     )
 
 
+def compensation_in_effect(precision: str, compensation: str | None) -> str | None:
+    """The compensation a run uses, as ``--compensation`` spells it: ``--compensation`` not given is ``"kahan"``.
+
+    Examples:
+        >>> compensation_in_effect("bf16-true", None), compensation_in_effect("bf16-mixed", None)
+        ('kahan', None)
+    """
+    return (compensation or "kahan") if precision == "bf16-true" else None
+
+
 def _weights_note(precision: str, master_weights: bool, compensation: str | None) -> str:
-    if precision == "bf16-true":
-        method = compensation or "kahan"
+    method = compensation_in_effect(precision, compensation)
+    if method is not None:
         return ", plain bf16 weights" if method == "none" else f", bf16 weights compensated ({method})"
     return ", master weights" if master_weights else ""
 
