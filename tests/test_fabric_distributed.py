@@ -125,7 +125,7 @@ def train(
         handed_back = type(state["amp"]).__name__
         if state["amp"] is not plugin:
             # Fabric's FSDP (and ModelParallel) load of a sharded checkpoint puts the saved dict in the state instead of
-            # calling the plugin's load_state_dict, as its other strategies do: the user loads it (README).
+            # calling the plugin's load_state_dict, as its other strategies do: the user loads it (docs/fabric.md).
             plugin.load_state_dict(state["amp"])
     records = []
     for step in range(start, steps):
@@ -249,5 +249,5 @@ def test_a_run_resumed_under_fsdp_equals_the_uninterrupted_one(ranks: list[dict[
         assert again["records"] == straight["records"][3:]
         assert "meta.pt" in record["files"]  # Fabric's sharded checkpoint: the plugin's state is in its metadata
         # ... which Fabric's FSDP load hands back as the saved dict, without calling the plugin's load_state_dict:
-        # the loop above loads it itself, as the README says (Fabric's single-device and DDP loads call it).
+        # the loop above loads it itself, as docs/fabric.md says (Fabric's single-device and DDP loads call it).
         assert again["handed_back"] == "dict"

@@ -1,9 +1,10 @@
 """PyTorch's own GradScaler tests (``test_grad_scaling_*`` in PyTorch's test suite), rewritten for CPU and run twice:
 once with ``torch.amp.GradScaler``, to show each test holds for the reference, and once with ``DynamicLossScaler``.
 
-Where ours differs on purpose, the test states both behaviours (documented in the README, "Differences from
-GradScaler"): hyperparameters are kept on ``load_state_dict``, the scale has a ceiling, a scale that would overflow
-float32 is refused, and optimizers of GradScaler's old ``step(grad_scaler=...)`` protocol are stepped without it.
+Where ours differs on purpose, the test states both behaviours (documented in docs/migrating.md with the other
+differences from GradScaler): hyperparameters are kept on ``load_state_dict``, the scale has a ceiling, a scale that
+would overflow float32 is refused, and optimizers of GradScaler's old ``step(grad_scaler=...)`` protocol are stepped
+without it.
 """
 
 from __future__ import annotations
