@@ -172,7 +172,8 @@ def build_parser() -> Parser:
         help="train a shipped model (cnn or lstm) with MixedPrecisionPlugin and MixedPrecisionMonitor",
         description="Train CifarCNN (cnn) or ImdbLSTM (lstm) under MixedPrecisionPlugin with MixedPrecisionMonitor. "
         "With no flags: synthetic data generated offline, bf16-mixed on CPU (bf16 on GPUs that have it, else fp16), "
-        "2 epochs: about 30 s on an idle 2-core CPU. Ctrl-C stops cleanly with the monitor's summary so far.",
+        "2 epochs; the run prints its time (measured ones: docs/benchmarks.md). Ctrl-C stops cleanly with the "
+        "monitor's summary so far.",
     )
     _add_run_arguments(train_parser)
     amp = train_parser.add_argument_group("mixed precision")

@@ -55,9 +55,9 @@ SCALER_MIN_SCALE = 1.0
 SCALER_MAX_SCALE = 2.0**24
 """``DynamicLossScaler``'s default ``max_scale``: the highest ``init_scale``."""
 
-# The defaults of `amp-plus train` with no flags: sized so that an idle 2-core CPU finishes in about 30 s under bf16
-# autocast and the validation accuracy climbs well above chance (measured numbers in the README). Each flag
-# overrides its entry.
+# The defaults of `amp-plus train` with no flags: sized so that a 2-core CPU finishes in seconds under bf16 autocast
+# and the validation accuracy climbs well above chance (measured times: docs/benchmarks.md). Each flag overrides its
+# entry.
 TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
     "cnn": {"epochs": 2, "batch_size": 64, "num_train": 2048, "num_val": 512, "width": 16, "lr": 0.05},
     "lstm": {
