@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "DEFAULT",
     "DEFAULT_SKIPS",
     "PRECISIONS",
+    "Settings",
     "check_bool",
     "check_compensation",
     "check_device",
@@ -37,6 +39,7 @@ __all__ = [
     "check_module_types",
     "check_precision",
     "check_skip_limit",
+    "checked_settings",
     "default_device",
     "guard_for",
     "plugin_str",
@@ -57,6 +60,56 @@ COMPENSATIONS = ("auto", "kahan", "stochastic", None)
 DEFAULT_SKIPS = 50
 # Asks `scaler_for` for a default scaler (None, given to a setter, is refused for fp16).
 DEFAULT: Any = object()
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A plugin's settings, checked: the Trainer's and Fabric's plugins take the same ones.
+
+    Attributes:
+        device: the autocast device type, or ``None`` to take the model's.
+        keep_fp32: the module types whose forward runs in FP32.
+        compensation: the compensation of bf16 weights (``None`` for the mixed precisions and plain bf16-true).
+        skip_limit: ``max_consecutive_skips`` as an int, or ``None`` (never stop).
+        guard: the guard the engine starts with (the fp16 scaler, the bf16 check, or none).
+        rounding_seed: the seed of stochastic rounding.
+    """
+
+    device: str | None
+    keep_fp32: tuple[type[nn.Module], ...]
+    compensation: Method | None
+    skip_limit: int | None
+    guard: GradientGuard | None
+    rounding_seed: int
+
+
+def checked_settings(
+    name: str,
+    precision: str,
+    device: object,
+    scaler: object,
+    *,
+    skip_nonfinite: object,
+    max_consecutive_skips: object,
+    master_weights: object,
+    keep_fp32: object,
+    compensation: object,
+    rounding_seed: object,
+) -> Settings:
+    """Check a plugin's arguments (each error names ``name``, the argument, the value and the fix)."""
+    check_precision(name, precision)
+    checked_device = check_device(name, device)
+    check_bool(name, "skip_nonfinite", skip_nonfinite)
+    check_bool(name, "master_weights", master_weights)
+    check_skip_limit(name, max_consecutive_skips)
+    modules = check_module_types(name, "keep_fp32", keep_fp32)
+    method = check_compensation(name, precision, compensation)
+    if precision == "bf16-true":
+        refuse_for_half_weights(name, bool(master_weights), modules)
+    limit = None if max_consecutive_skips is None else int(max_consecutive_skips)  # type: ignore[call-overload]
+    guard = guard_for(name, precision, scaler, bool(skip_nonfinite), limit)
+    seed = check_int(name, "rounding_seed", rounding_seed, 0)
+    return Settings(checked_device, modules, method, limit, guard, seed)
 
 
 def guard_for(

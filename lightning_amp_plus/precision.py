@@ -35,16 +35,10 @@ from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
     check_bool,
-    check_compensation,
-    check_device,
     check_device_supports,
-    check_module_types,
-    check_precision,
-    check_skip_limit,
+    checked_settings,
     default_device,
-    guard_for,
     plugin_str,
-    refuse_for_half_weights,
     refuse_removed_options,
     refuse_sharded_master_weights,
     scaler_for,
@@ -52,7 +46,6 @@ from lightning_amp_plus._front_end import (
     unwrapped,
     user_names,
 )
-from lightning_amp_plus.numerics.checks import check_int
 from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
 from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
 from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
@@ -136,29 +129,33 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         fp32_grad_accumulation: object = True,
     ) -> None:
         name = type(self).__name__
-        check_precision(name, precision)
-        self.device = check_device(name, device)
-        for option, value in (
-            ("skip_nonfinite", skip_nonfinite),
-            ("hold_schedulers_on_skip", hold_schedulers_on_skip),
-            ("master_weights", master_weights),
-        ):
-            check_bool(name, option, value)
-        check_skip_limit(name, max_consecutive_skips)
+        check_bool(name, "hold_schedulers_on_skip", hold_schedulers_on_skip)
         refuse_removed_options(name, half_modules, fp32_grad_accumulation)
+        settings = checked_settings(
+            name,
+            precision,
+            device,
+            scaler,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+            master_weights=master_weights,
+            keep_fp32=keep_fp32,
+            compensation=compensation,
+            rounding_seed=rounding_seed,
+        )
         self.precision = precision
+        self.device = settings.device
         self.master_weights = master_weights
-        self.keep_fp32: tuple[type[nn.Module], ...] = check_module_types(name, "keep_fp32", keep_fp32)
-        self.compensation = check_compensation(name, precision, compensation)
-        if precision == "bf16-true":
-            refuse_for_half_weights(name, master_weights, self.keep_fp32)
+        self.keep_fp32 = settings.keep_fp32
+        self.compensation = settings.compensation
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
-        self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
+        self._skip_limit = settings.skip_limit
         self._skip_limit_given = max_consecutive_skips != DEFAULT_SKIPS
-        guard = guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit)
-        seed = check_int(name, "rounding_seed", rounding_seed, 0)
         self.engine = StepEngine(
-            guard, hold_schedulers=hold_schedulers_on_skip, compensation=self.compensation, seed=seed
+            settings.guard,
+            hold_schedulers=hold_schedulers_on_skip,
+            compensation=settings.compensation,
+            seed=settings.rounding_seed,
         )
         self._hooks_read_gradients = True
         self._fp32_hooks: list[RemovableHandle] = []

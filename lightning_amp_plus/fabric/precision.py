@@ -43,22 +43,14 @@ from typing_extensions import override
 from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
-    check_bool,
-    check_compensation,
-    check_device,
     check_device_supports,
-    check_module_types,
-    check_precision,
-    check_skip_limit,
+    checked_settings,
     default_device,
-    guard_for,
-    refuse_for_half_weights,
     refuse_sharded_master_weights,
     scaler_for,
     set_up_ranks,
     user_names,
 )
-from lightning_amp_plus.numerics.checks import check_int
 from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
 from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
 from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
@@ -126,22 +118,27 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
     ) -> None:
-        name = self._name()
-        check_precision(name, precision)
-        self.device = check_device(name, device)
-        check_bool(name, "skip_nonfinite", skip_nonfinite)
-        check_bool(name, "master_weights", master_weights)
-        check_skip_limit(name, max_consecutive_skips)
+        settings = checked_settings(
+            self._name(),
+            precision,
+            device,
+            scaler,
+            skip_nonfinite=skip_nonfinite,
+            max_consecutive_skips=max_consecutive_skips,
+            master_weights=master_weights,
+            keep_fp32=keep_fp32,
+            compensation=compensation,
+            rounding_seed=rounding_seed,
+        )
         self.precision = precision
+        self.device = settings.device
         self.master_weights = master_weights
-        self.keep_fp32 = check_module_types(name, "keep_fp32", keep_fp32)
-        self.compensation = check_compensation(name, precision, compensation)
-        if precision == "bf16-true":
-            refuse_for_half_weights(name, master_weights, self.keep_fp32)
-        self._skip_limit = None if max_consecutive_skips is None else int(max_consecutive_skips)
-        guard = guard_for(name, precision, scaler, skip_nonfinite, self._skip_limit)
-        seed = check_int(name, "rounding_seed", rounding_seed, 0)
-        self.engine = StepEngine(guard, hold_schedulers=False, compensation=self.compensation, seed=seed)
+        self.keep_fp32 = settings.keep_fp32
+        self.compensation = settings.compensation
+        self._skip_limit = settings.skip_limit
+        self.engine = StepEngine(
+            settings.guard, hold_schedulers=False, compensation=settings.compensation, seed=settings.rounding_seed
+        )
         self._desired_input_dtype = self.half_dtype
         self._modules: list[weakref.ref[nn.Module]] = []
         self._fp32_hooks: list[RemovableHandle] = []
