@@ -43,6 +43,7 @@ __all__ = [
     "default_device",
     "guard_for",
     "plugin_str",
+    "refuse_deepspeed",
     "refuse_for_half_weights",
     "refuse_removed_options",
     "refuse_sharded_master_weights",
@@ -324,6 +325,19 @@ def sharding_of(params: Sequence[Tensor], wrapper: nn.Module | None = None) -> S
         # FSDP1 seen from its parameters only (Fabric): taken as fully sharded over the world, its default.
         return Sharding(replicas=1)
     return None
+
+
+def refuse_deepspeed(name: str, model: object, framework: str) -> None:
+    """Refuse a DeepSpeed engine: it does its own mixed precision, loss scaling and master weights.
+
+    Two loss scalers on one model would corrupt each other silently. Lightning checks the plugin type for FSDP and XLA
+    strategies, not for DeepSpeed's, so the plugin checks the model it is handed.
+    """
+    if type(model).__module__.split(".")[0] == "deepspeed":
+        raise TypeError(
+            f"{name} cannot run under DeepSpeed: its engine does its own mixed precision and loss scaling. Use "
+            f"{framework}(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed') without this plugin."
+        )
 
 
 def refuse_removed_options(name: str, half_modules: object, fp32_grad_accumulation: object) -> None:

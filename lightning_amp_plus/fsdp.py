@@ -27,8 +27,9 @@ from typing_extensions import override
 from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
 from lightning_amp_plus.numerics.engine import EngineReadings
+from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-from lightning_amp_plus.precision import MixedPrecisionPlugin
+from lightning_amp_plus.precision import MixedPrecisionPlugin, fitting
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -129,7 +130,11 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     # --------------------------------------------------------------------------------------- the step's hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module  # FSDP keeps the FP32 shards; with master weights it makes the half copies itself
+        # FSDP keeps the shards in the parameters' dtype and, with master weights, makes the half copies itself. The
+        # masters are FP32: parameters built in a half dtype are widened now, before FSDP flattens them into shards.
+        if self.master_weights and fitting(module):
+            widen_to_fp32_(half_parameters(module))
+        return module
 
     @override
     def connect(

@@ -39,6 +39,7 @@ from lightning_amp_plus._front_end import (
     checked_settings,
     default_device,
     plugin_str,
+    refuse_deepspeed,
     refuse_removed_options,
     refuse_sharded_master_weights,
     scaler_for,
@@ -219,7 +220,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
             )
         if self._half_weights:
             return module.to(dtype=torch.bfloat16)  # as Lightning's bf16-true: parameters and buffers
-        if self.master_weights and _fitting(module):
+        if self.master_weights and fitting(module):
             refuse_sharded_master_weights(type(self).__name__, module)
             # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
             widen_to_fp32_(half_parameters(module))
@@ -243,7 +244,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        _refuse_deepspeed(type(self).__name__, model)
+        refuse_deepspeed(type(self).__name__, model, "Trainer")
         for optimizer in optimizers:
             self._refuse_lbfgs(optimizer)
         module = unwrapped(model)
@@ -251,7 +252,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self.engine.set_optimizers([_inner(optimizer) for optimizer in optimizers])
         self._hooks_read_gradients = _hooks_may_read_gradients(module)
         self._keep_modules_fp32(module)
-        if self.master_weights and isinstance(model, DistributedDataParallel) and _fitting(module):
+        if self.master_weights and isinstance(model, DistributedDataParallel) and fitting(module):
             self._compress_all_reduce(model)
         guard = self.engine.guard
         if guard is not None:
@@ -410,16 +411,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
                 return
 
 
-def _refuse_deepspeed(name: str, model: nn.Module) -> None:
-    # Lightning checks the plugin type for FSDP and XLA, not for DeepSpeed, whose engine does its own fp16/bf16,
-    # loss scaling and master weights: two scalers on one model would corrupt each other silently.
-    if type(model).__module__.split(".")[0] == "deepspeed":
-        raise TypeError(
-            f"{name} cannot run under DeepSpeed: its engine does its own mixed precision and loss scaling. Use "
-            "Trainer(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed') without this plugin."
-        )
-
-
 def _inner(optimizer: Any) -> Any:
     """The optimizer inside Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
     return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
@@ -443,7 +434,7 @@ def _hooks_may_read_gradients(module: nn.Module) -> bool:
     )
 
 
-def _fitting(module: nn.Module, default: bool = True) -> bool:
+def fitting(module: nn.Module, default: bool = True) -> bool:
     """Whether the Trainer that holds ``module`` is fitting (``Strategy.setup`` runs for validate/test/predict too)."""
     trainer = getattr(unwrapped(module), "_trainer", None)
     if trainer is None:

@@ -475,6 +475,17 @@ def test_a_bad_argument_is_refused_naming_the_plugin_the_argument_its_value_and_
         plugin(**arguments)
 
 
+def test_a_deepspeed_engine_is_refused_at_the_first_backward_before_any_gradient() -> None:
+    # Fabric's DeepSpeedStrategy does not check its precision plugin's type, and hands the engine to the plugin's
+    # backward (the engine runs its own loss scaling). DeepSpeed is not installed here: a stand-in class from a
+    # `deepspeed.*` module plays the engine.
+    engine = type("DeepSpeedEngine", (nn.Linear,), {"__module__": "deepspeed.runtime.engine"})(2, 1)
+    loss = engine(torch.ones(1, 2)).sum()
+    with pytest.raises(TypeError, match=re.escape("Use Fabric(strategy='deepspeed', precision='16-mixed' or")):
+        ours().backward(loss, engine)
+    assert engine.weight.grad is None
+
+
 def test_the_fsdp_plugin_refuses_bf16_true_naming_fabrics_own() -> None:
     # FSDP1 keeps flat bf16 shards of its own: the compensated update is not defined there (the Trainer's FSDP plugin
     # refuses it too); Fabric's FSDPStrategy with precision='bf16-true' is plain bf16-true.

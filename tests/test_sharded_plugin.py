@@ -219,6 +219,23 @@ def monitored(out: Path) -> dict[str, Any]:
     return results
 
 
+def half_built(out: Path) -> dict[str, Any]:
+    """FSDP master weights (bf16) for a model built in bf16, and for the same bf16 values built as an FP32 model."""
+    results = {}
+    for built in ("bf16", "fp32"):
+        torch.manual_seed(0)
+        model = StepData().to(torch.bfloat16)
+        if built == "fp32":
+            model = model.to(torch.float32)  # the same (bf16-rounded) values, held in FP32 from the start
+        plugin = FSDPMixedPrecisionPlugin("bf16-mixed", "cpu", master_weights=True)
+        trainer, _ = fit("fsdp", plugin=plugin, model=model, steps=3)
+        results[built] = {
+            "shards": sorted({str(p.dtype) for p in trainer.strategy.model.parameters()}),
+            "params": full_parameters(trainer, model),
+        }
+    return results
+
+
 def refusals(out: Path) -> dict[str, Any]:
     def error_of(run: Any) -> str:
         try:
@@ -251,6 +268,7 @@ SCENARIOS = {
     "clipped": clipped,
     "resumed": resumed,
     "monitored": monitored,
+    "half_built": half_built,
     "refusals": refusals,  # last: it ends fits with an exception
 }
 
@@ -291,6 +309,16 @@ def test_master_weights_under_sharding_train_as_ddp_with_master_weights_within_t
         sharded, ddp = modes_of_rank[f"{strategy}/{precision}/True"], modes_of_rank[f"ddp/{precision}/True"]
         torch.testing.assert_close(sharded["params"], ddp["params"], rtol=0, atol=atol)
         assert [s["skipped"] for s in sharded["steps"]] == [s["skipped"] for s in ddp["steps"]]
+
+
+def test_fsdp_master_weights_of_a_model_built_in_half_are_fp32_shards_as_for_the_same_values_built_fp32(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # The masters FSDP holds (its flat shards) are FP32 whatever dtype the model was built in: the plugin widens the
+    # parameters before FSDP flattens them, so the run equals the one built in FP32 from the same values, bit for bit.
+    for built in scenario(ranks, "half_built"):
+        assert built["bf16"]["shards"] == built["fp32"]["shards"] == ["torch.float32"]
+        torch.testing.assert_close(built["bf16"]["params"], built["fp32"]["params"], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("master", [False, True])

@@ -46,6 +46,7 @@ from lightning_amp_plus._front_end import (
     check_device_supports,
     checked_settings,
     default_device,
+    refuse_deepspeed,
     refuse_sharded_master_weights,
     scaler_for,
     set_up_ranks,
@@ -289,6 +290,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     # -------------------------------------------------------------------------------------------------- step
     @override
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        refuse_deepspeed(self._name(), model, "Fabric")  # under DeepSpeed, Fabric hands the engine here
         self._end_iteration()  # the steps since the last backward are over: the scale moves once for them
         self.engine.scale_loss(tensor).backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
