@@ -41,6 +41,7 @@ __all__ = [
     "check_skip_limit",
     "checked_settings",
     "default_device",
+    "fsdp2_policy",
     "guard_for",
     "plugin_str",
     "refuse_deepspeed",
@@ -325,6 +326,13 @@ def sharding_of(params: Sequence[Tensor], wrapper: nn.Module | None = None) -> S
         # FSDP1 seen from its parameters only (Fabric): taken as fully sharded over the world, its default.
         return Sharding(replicas=1)
     return None
+
+
+def fsdp2_policy(half_dtype: torch.dtype) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for half compute over FP32 shards, gradients reduce-scattered in FP32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=torch.float32)
 
 
 def refuse_deepspeed(name: str, model: object, framework: str) -> None:

@@ -38,6 +38,7 @@ from lightning_amp_plus._front_end import (
     check_device_supports,
     checked_settings,
     default_device,
+    fsdp2_policy,
     plugin_str,
     refuse_deepspeed,
     refuse_removed_options,
@@ -195,9 +196,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         the FP32 sharded parameters are then the masters the optimizer steps, the forward and backward run on
         all-gathered half copies, and the gradients are reduce-scattered in FP32.
         """
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        return MixedPrecisionPolicy(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
+        return fsdp2_policy(self.half_dtype)
 
     @property
     def half_dtype(self) -> torch.dtype:

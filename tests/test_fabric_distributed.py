@@ -14,11 +14,13 @@ DDP its copy of the averaged gradient, under FSDP its shard. The tests compare w
 * the reported norm is the norm of the whole gradient (gathered in float64, a reference computed apart);
 * a run resumed from ``fabric.save``/``fabric.load`` (FSDP's sharded checkpoint) equals the uninterrupted one;
 * ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in its ``parallelize_fn``) with ``MixedPrecisionPlugin`` equals
-  DDP too.
+  DDP too; with ``fully_shard(..., mp_policy=plugin.mp_policy)`` (FP32 shards, half compute) it skips and measures as
+  the others.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,8 @@ STRATEGIES = ("ddp", "fsdp", "model_parallel")
 # FSDPMixedPrecisionPlugin(master_weights=True): FSDP's own mixed precision (half parameters all-gathered for compute,
 # FP32 shards and reduction); other arithmetic than DDP's, so it is not compared with DDP.
 FSDP_MASTER = "fsdp-master"
+# ModelParallelStrategy with `fully_shard(..., mp_policy=plugin.mp_policy)`: FP32 shards, half compute, FP32 reduction.
+FSDP2_MASTER = "model_parallel-master"
 
 
 def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
@@ -54,21 +58,23 @@ def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixe
     return MixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[arg-type]
 
 
-def shard_with_fsdp2(model: nn.Module, device_mesh: Any) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def shard_with_fsdp2(model: nn.Module, device_mesh: Any, mp_policy: Any = None) -> nn.Module:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = device_mesh["data_parallel"]
+    mesh, policy = device_mesh["data_parallel"], mp_policy or MixedPrecisionPolicy()
     for layer in model.children():
         if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+    return fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
-def strategy_for(strategy: str, **options: Any) -> Any:
+def strategy_for(strategy: str, plugin: Any, **options: Any) -> Any:
     if strategy in ("fsdp", FSDP_MASTER):
         return CPUFabricFSDPStrategy(**options)
-    if strategy == "model_parallel":
-        return ModelParallelStrategy(shard_with_fsdp2, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
+    if strategy in ("model_parallel", FSDP2_MASTER):
+        policy = plugin.mp_policy if strategy == FSDP2_MASTER else None
+        shard = functools.partial(shard_with_fsdp2, mp_policy=policy)
+        return ModelParallelStrategy(shard, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
     return "ddp"
 
 
@@ -112,7 +118,7 @@ def train(
     """The loop of the module docstring on this rank; what it records at each step and the parameters at the end."""
     plugin = plugin_for(strategy, precision)
     fabric = L.Fabric(
-        accelerator="cpu", devices=WORLD, strategy=strategy_for(strategy, **strategy_options), plugins=[plugin]
+        accelerator="cpu", devices=WORLD, strategy=strategy_for(strategy, plugin, **strategy_options), plugins=[plugin]
     )
     fabric.launch()
     torch.manual_seed(seed)
@@ -164,7 +170,7 @@ def train(
 # ---------------------------------------------------------------------------------------------- scenarios
 def runs(out: Path) -> dict[str, Any]:
     """Every strategy, both precisions: one fault on one rank at ``FAULT_STEP``."""
-    every = (*STRATEGIES, FSDP_MASTER)
+    every = (*STRATEGIES, FSDP_MASTER, FSDP2_MASTER)
     return {f"{strategy}/{precision}": train(strategy, precision) for strategy in every for precision in PRECISIONS}
 
 
@@ -196,7 +202,7 @@ def test_the_fsdp_plugin_runs_under_fabrics_fsdp_strategy_and_ours_under_the_oth
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
@@ -212,7 +218,7 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER])
 def test_the_reported_norm_is_the_norm_of_the_whole_unscaled_gradient(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
@@ -238,6 +244,12 @@ def test_sharded_runs_equal_ddp(ranks: list[dict[str, Any]], strategy: str, prec
     for p, q in zip(record[f"{strategy}/{precision}"]["params"], record[f"ddp/{precision}"]["params"], strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert record[f"{strategy}/{precision}"]["state"] == record[f"ddp/{precision}"]["state"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_fsdp2_under_the_plugins_policy_keeps_fp32_shards(ranks: list[dict[str, Any]], precision: str) -> None:
+    run = scenario(ranks, "runs")[0][f"{FSDP2_MASTER}/{precision}"]
+    assert run["params"] and all(p.dtype == torch.float32 for p in run["params"])
 
 
 def test_a_run_resumed_under_fsdp_equals_the_uninterrupted_one(ranks: list[dict[str, Any]]) -> None:

@@ -46,6 +46,7 @@ from lightning_amp_plus._front_end import (
     check_device_supports,
     checked_settings,
     default_device,
+    fsdp2_policy,
     refuse_deepspeed,
     refuse_sharded_master_weights,
     scaler_for,
@@ -184,6 +185,20 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
     def min_scale(self) -> float | None:
         """The scaler's floor (``None`` without a scaler)."""
         return None if self.scaler is None else self.scaler.min_scale
+
+    @property
+    def mp_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for half compute under ``ModelParallelStrategy``: FP32 shards, half math.
+
+        Pass it to ``fully_shard(..., mp_policy=plugin.mp_policy)`` where the model is sharded: the FP32 sharded
+        parameters are then the masters the optimizer steps, the forward and backward run on all-gathered half copies,
+        and the gradients are reduce-scattered in FP32.
+
+        Examples:
+            >>> MixedPrecisionPlugin("bf16-mixed").mp_policy.param_dtype
+            torch.bfloat16
+        """
+        return fsdp2_policy(self.half_dtype)
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
