@@ -88,8 +88,8 @@ def _scale_text(value: float) -> str:
 def summary(history: AmpHistory) -> str:
     """One paragraph that says how the run went.
 
-    Skips under a loss scaler are fp16 overflows, routine while the scale finds its level, and are said to be;
-    non-finite values the monitor found itself (in parameters, or in gradients nothing guarded) are counted apart.
+    Skips under a loss scaler are fp16 overflows, routine while the scale finds its level, and are said to be, unless
+    an autopsy found a cause that no loss scale cures; non-finite values the monitor found itself (in parameters, or in gradients nothing guarded) are counted apart.
 
     Examples:
         >>> h = AmpHistory([StepRecord(0, 65536.0, True, None, None), StepRecord(1, 32768.0, False, 1.5, None)])
@@ -121,7 +121,14 @@ def summary(history: AmpHistory) -> str:
             parts.append(f"loss scale {_scale_text(low)} to {_scale_text(high)}, last {_scale_text(scales[-1])}")
     routine = [event for event in history.nonfinite_events if event[1] == _ROUTINE]
     streak = _final_streak(records)
-    if skipped and scales and not streak:
+    # An autopsy that found a cause no loss scale cures ("forward", "backward") makes the skips anything but routine.
+    incurable = [autopsy.step for autopsy in history.autopsies if autopsy.kind != "scale"]
+    if skipped and scales and incurable:
+        parts.append(
+            f"the skips include a cause loss scaling cannot cure (the autopsy of step {incurable[0]}), not only the "
+            "overflows a loss scaler catches"
+        )
+    elif skipped and scales and not streak:
         what = "the skipped step was an fp16 overflow" if len(skipped) == 1 else "the skipped steps were fp16 overflows"
         parts.append(f"{what} caught by the loss scaler, routine in dynamic loss scaling")
     elif skipped and scales:

@@ -94,13 +94,17 @@ def test_a_forward_overflow_is_blamed_on_its_layer_with_the_fix() -> None:
     assert [(a.kind, a.module, a.step) for a in monitor.autopsies] == [("forward", "model.blocks.0.fc", 4)]
     message = monitor.autopsies[0].message
     assert "exceeds float16's 65504" in message and "keep_fp32=(Linear,)" in message
-    assert "model.blocks.0.fc" in monitor.summary()
+    summary = monitor.summary()
+    assert "model.blocks.0.fc" in summary
+    # A cause no loss scale cures: the summary must not call the skip a routine overflow.
+    assert "routine" not in summary and "a cause loss scaling cannot cure (the autopsy of step 4)" in summary
 
 
 def test_a_broken_backward_is_blamed_on_its_module() -> None:
     monitor = MixedPrecisionMonitor()
     fit(Faulty("backward", fault_batches=(3,)), fp16(), monitor)
     assert [(a.kind, a.module) for a in monitor.autopsies] == [("backward", "model.blocks.1.extra")]
+    assert "routine" not in monitor.summary()
 
 
 def test_bf16_nan_in_forward_is_found_too() -> None:
