@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torchmetrics import Metric
 
 from lightning_amp_plus._front_end import unwrapped
 from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
@@ -134,7 +135,7 @@ class Replay:
 
     def autopsy(self, rng: RngState, scale: float, step: int) -> Autopsy | None:
         """Where the batch's first inf/NaN started (``None`` if the replay is finite)."""
-        with self._suspended():
+        with self._suspended(), _attributes_kept(self.model):
             return run_autopsy(
                 self.model, self.run, rng=rng, scale=scale, step=step, dtype=self.dtype, autocast=self.autocast,
                 min_scale=self.min_scale,
@@ -142,7 +143,7 @@ class Replay:
 
     def headroom(self, rng: RngState, scale: float) -> dict[str, LayerHeadroom]:
         """Per-layer headroom from an FP32 replay of the batch."""
-        with self._suspended():
+        with self._suspended(), _attributes_kept(self.model):
             return measure_headroom(self.model, self.run, scale=scale, dtype=self.dtype, rng=rng)
 
 
@@ -167,6 +168,51 @@ def _autocast_of(plugin: Any) -> Callable[[], AbstractContextManager[Any]]:
     # even while its wrapper's is suspended for the replay.
     context: Callable[[], AbstractContextManager[Any]] = getattr(plugin, "precision_context", plugin.forward_context)
     return context
+
+
+@contextmanager
+def _attributes_kept(model: nn.Module) -> Iterator[None]:
+    """Put back what a replayed ``training_step`` may change besides parameters, buffers and gradients.
+
+    ``numerics.replay.untouched`` restores those; a ``training_step`` also updates torchmetrics' states
+    (``self.train_acc(preds, y)``), appends to lists (``self.outputs.append(loss)``) and counts in plain attributes
+    (``self.seen += len(x)``). Restored here: every metric's states and update count, and each module's public
+    attributes that are numbers, strings, ``None``, lists or dicts (the same list and dict objects, their items as
+    they were: a shallow copy). Tensors held in other attributes are not copied.
+    """
+    saved = [(module, _attributes(module)) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes in saved:
+            for name, (value, items) in attributes.items():
+                setattr(module, name, value)
+                if isinstance(value, list):
+                    value[:] = items
+                elif isinstance(value, dict):
+                    value.clear()
+                    value.update(items)
+
+
+def _attributes(module: nn.Module) -> dict[str, tuple[Any, Any]]:
+    """``{name: (the value, a shallow copy of its items)}`` for the attributes ``_attributes_kept`` restores."""
+    kept: dict[str, tuple[Any, Any]] = {}
+    for name, value in vars(module).items():
+        if name.startswith("_") or name == "training":
+            continue
+        if value is None or isinstance(value, (bool, int, float, str)):
+            kept[name] = (value, None)
+        elif isinstance(value, list):
+            kept[name] = (value, list(value))
+        elif isinstance(value, dict):
+            kept[name] = (value, dict(value))
+    if isinstance(module, Metric):
+        for name in module._defaults:  # the metric's states: tensors updated in place, or lists of tensors
+            state = getattr(module, name)
+            kept[name] = (state.clone(), None) if isinstance(state, Tensor) else (state, list(state))
+        for name in ("_update_count", "_computed", "_forward_cache"):
+            kept[name] = (getattr(module, name), None)
+    return kept
 
 
 @contextmanager

@@ -72,8 +72,9 @@ class MixedPrecisionMonitor(Callback):
     parameters stay as they were.
 
     **Autopsy** (``autopsy=True``, under this package's plugins): when a step is skipped for non-finite gradients, the
-    monitor replays that batch once with hooks (same parameters, same random numbers; nothing of the replay is left
-    behind: the run ends as it would without) and says where the first inf/NaN came from and why
+    monitor replays that batch once with hooks (same parameters, same random numbers; the RNG streams, buffers,
+    gradients, torchmetrics states and the modules' plain attributes are put back: the run ends as it would without)
+    and says where the first inf/NaN came from and why
     (:class:`~lightning_amp_plus.numerics.autopsy.Autopsy` in :attr:`autopsies`: ``"forward"``, an output that no
     loss scale can keep finite; ``"scale"``, gradients finite at a lower scale; ``"backward"``, non-finite even at the
     scale's floor), at most ``autopsy_limit`` per run (a cause found again is said once). Healthy steps pay only a

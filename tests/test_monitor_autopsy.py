@@ -18,6 +18,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from autopsy_models import MLP, BrokenBackward, batch
 from helpers import FP16_ON_CPU_WARNING, make_trainer, parameters_of
 from lightning.pytorch.loggers import CSVLogger
@@ -152,9 +153,28 @@ def test_autopsy_false_makes_none() -> None:
 
 
 # ------------------------------------------------------------------------------------- nothing left behind
+class Counting(Faulty):
+    """Faulty with the side effects training_steps have: a torchmetrics metric, a list, a counter, a dict."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen_metric = torchmetrics.SumMetric()
+        self.losses: list[float] = []
+        self.seen = 0
+        self.last: dict[str, float] = {}
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.seen_metric.update(torch.tensor(float(len(batch[0]))))
+        self.losses.append(float(loss))
+        self.seen += len(batch[0])
+        self.last["loss"] = float(loss)
+        return loss
+
+
 def run_with(autopsy: bool, tmp_path: Path) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Faulty("forward", fault_batches=(3, 6), dropout=0.2)  # dropout: the replay draws random numbers too
+    model = Counting("forward", fault_batches=(3, 6), dropout=0.2)  # dropout: the replay draws random numbers too
     monitor = MixedPrecisionMonitor(autopsy=autopsy, headroom_interval=4 if autopsy else 0, log_memory=False)
     logger = CSVLogger(tmp_path / str(autopsy), name="run", version=0)
     trainer = make_trainer(fp16(), max_steps=8, max_epochs=-1, callbacks=[monitor], logger=logger, log_every_n_steps=1)
@@ -168,6 +188,14 @@ def run_with(autopsy: bool, tmp_path: Path) -> dict[str, Any]:
         "train_loss": [row["train_loss"] for row in rows if row.get("train_loss")],
         "rng": torch.rand(4),
         "autopsies": len(monitor.autopsies),
+        # What the training_step itself keeps: a replay (autopsy, headroom) must not count its batch again.
+        "kept": (
+            float(model.seen_metric.compute()),
+            model.seen_metric.update_count,
+            model.losses,
+            model.seen,
+            model.last,
+        ),
     }
 
 
@@ -175,6 +203,8 @@ def test_a_run_with_autopsies_and_headroom_ends_as_one_without(tmp_path: Path) -
     with_them, without = run_with(True, tmp_path), run_with(False, tmp_path)
     assert with_them.pop("autopsies") == 1 and without.pop("autopsies") == 0  # the same cause at steps 3 and 6
     assert with_them.pop("train_loss") == without.pop("train_loss")  # the logged metrics, as written
+    kept = without["kept"]
+    assert kept[0] == 64.0 and kept[1] == 8 and len(kept[2]) == 8 and kept[3] == 64  # premise: 8 steps of 8 samples
     # NaN included: the overflowing batches left NaN in BatchNorm's running statistics, in both runs alike.
     torch.testing.assert_close(with_them, without, rtol=0, atol=0, equal_nan=True)
 
