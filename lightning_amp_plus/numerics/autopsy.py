@@ -57,7 +57,8 @@ class AbsRange:
     """The magnitudes of some tensors' values.
 
     Attributes:
-        abs_min: the smallest non-zero ``|x|`` (0.0 when every value is zero): how close the values come to underflow.
+        abs_min: the smallest non-zero ``|x|`` (0.0 when every value is zero; inf when no value is finite and
+            non-zero, NaNs aside): how close the values come to underflow.
         abs_max: the largest ``|x|``; ``inf`` or ``nan`` when the values hold them.
         nonfinite: how many values are inf or NaN (exact up to 2**24).
         neg_inf: how many of those are -inf, what attention masks hold.
@@ -65,6 +66,8 @@ class AbsRange:
     Examples:
         >>> AbsRange.of([_summary(torch.tensor([0.0, -3.0, 0.5, float("inf"), -float("inf")]))])
         AbsRange(abs_min=0.5, abs_max=inf, nonfinite=2, neg_inf=1)
+        >>> str(AbsRange.of([_summary(torch.tensor([float("nan"), float("nan")]))]))
+        '|x| in [inf, nan], 2 inf/NaN'
     """
 
     abs_min: float
@@ -91,7 +94,8 @@ class AbsRange:
         maxima = [row[1] for row in rows]
         abs_max = math.nan if any(math.isnan(m) for m in maxima) else max(maxima)
         abs_min = min(row[0] for row in rows)
-        no_nonzero = math.isinf(abs_min) and not abs_max > 0  # the summaries' inf stands for "no non-zero value"
+        # The summaries' inf stands for "no finite non-zero value": with every value zero, the smallest is 0.
+        no_nonzero = math.isinf(abs_min) and abs_max == 0
         counts = [round(sum(row[i] for row in rows)) for i in (2, 3)]
         return cls(0.0 if no_nonzero else abs_min, abs_max, *counts)
 
