@@ -57,7 +57,7 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mappi
     if state.get("format") != FORMAT or "scaler" not in state or "precision" not in state:
         raise ValueError(_unreadable(state, owner))
     for key, mine in settings.items():
-        _check_saved_setting(state, "compensation_method" if key == "compensation" else key, mine, owner)
+        _check_saved_setting(state, "compensation_method" if key == "compensation" else key, mine, owner, key)
     held = _saved_count(state, "held_scheduler_steps", owner)
     compensation = state.get("compensation")
     if compensation is not None and not isinstance(compensation, list):
@@ -82,17 +82,19 @@ def load_grad_scaler_state(state: object, engine: StepEngine, key: str) -> None:
     engine.guard.load_state_dict(state)
 
 
-def _check_saved_setting(state: dict[str, Any], key: str, mine: object, owner: str) -> None:
+def _check_saved_setting(state: dict[str, Any], key: str, mine: object, owner: str, argument: str) -> None:
+    """Refuse a saved setting (``state[key]``) other than this run's, named as the constructor's ``argument``."""
     if key not in state:
         return  # written before the setting was saved: nothing to compare
     saved = state[key]
     if type(saved) is not type(mine) or saved != mine:
         # As the constructor reads: the precision positionally, the other settings by keyword.
-        then, now = (repr(saved), repr(mine)) if key == "precision" else (f"{key}={saved!r}", f"{key}={mine!r}")
+        show = (lambda v: repr(v)) if argument == "precision" else (lambda v: f"{argument}={v!r}")
         name = owner.split(".")[-1]
         raise ValueError(
-            f"The checkpoint was trained with {name}({then}), this run uses {now}. Resume with {key}={saved!r}, or "
-            f"delete checkpoint['{owner}'] to start this setting with a fresh scaler."
+            f"The checkpoint was trained with {name}({show(saved)}), this run uses {show(mine)}. Resume with "
+            f"{argument}={saved!r}, or delete checkpoint['{owner}'] to start the plugin's state afresh (loss scale, "
+            "skip counters, compensation)."
         )
 
 

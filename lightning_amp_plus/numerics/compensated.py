@@ -226,9 +226,11 @@ class Compensator:
         if type(optimizer) not in SUPPORTED:
             supported = ", ".join(f"torch.optim.{cls.__name__}" for cls in SUPPORTED)
             raise TypeError(
-                f"`Compensator(optimizer={type(optimizer).__module__}.{type(optimizer).__qualname__})` is not "
-                f"supported: compensated bf16 updates are implemented for {supported} (exactly these types; pass the "
-                "torch optimizer itself, not a wrapper). Use one of them, or train with FP32 master weights."
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__} cannot be stepped with compensated bf16 "
+                f"updates (precision 'bf16-true' with compensation={method!r}): they are implemented for {supported} "
+                "(exactly these types; the torch optimizer itself, not a wrapper). Use one of them; or "
+                "compensation=None, which steps your optimizer as it is (plain bf16-true: updates below half a bf16 "
+                "spacing are lost); or 'bf16-mixed', whose FP32 weights need no compensation."
             )
         if method not in get_args(Method):
             raise ValueError(f"`Compensator(method={method!r})` is not supported: use 'kahan' or 'stochastic'.")
