@@ -182,14 +182,18 @@ def check_device(name: str, device: object) -> str | None:
     return device.split(":")[0]
 
 
-def check_device_supports(name: str, device: str, precision: str) -> None:
-    """Refuse bf16 on a GPU without it; warn about fp16 autocast on CPU (correct, but slow)."""
+def check_device_supports(name: str, device: str, precision: str, warn: bool = True) -> None:
+    """Refuse bf16 on a GPU without it; warn about fp16 autocast on CPU (correct, but slow) when ``warn``.
+
+    A plugin warns once (``warn=False`` after its first check): Python's own once-per-place rule is reset whenever a
+    ``warnings.catch_warnings()`` block runs, as a replay's does, so fit's and validate's checks would both warn.
+    """
     if device == "cuda" and precision.startswith("bf16") and not torch.cuda.is_bf16_supported():
         raise ValueError(
             f"`{name}(precision={precision!r})`: this GPU ({torch.cuda.get_device_name()}) does not support bfloat16. "
             "Use precision='16-mixed'."
         )
-    if device == "cpu" and precision == "16-mixed":
+    if warn and device == "cpu" and precision == "16-mixed":
         rank_zero_warn(
             f"{name}('16-mixed') on CPU: fp16 autocast is correct there but slow (many times slower than fp32 on most "
             "CPUs). For speed on CPU prefer 'bf16-mixed' or 32-bit.",

@@ -103,7 +103,9 @@ class MixedPrecisionMonitor(Callback):
         on_nonfinite: ``"warn"``, ``"raise"`` or ``"stop"``.
         skip_window: how many recent steps the skip rate is taken over.
         skip_warn_rate: warn when the skip rate over the window exceeds this fraction.
-        log_memory: log memory every step.
+        log_memory: read and log memory (CUDA's, or the process's resident memory on CPU): under the Trainer on the
+            steps Lightning logs (every ``log_every_n_steps``; never without a logger), in a Fabric loop at every
+            :meth:`observe`.
         prog_bar: show the loss scale on the progress bar.
         report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart); a ``.png`` path in a
             folder that can be written or created, checked at construction.

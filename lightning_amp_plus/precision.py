@@ -162,6 +162,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._hooks_read_gradients = True
         self._fp32_hooks: list[RemovableHandle] = []
         self._update_pending = False
+        self._device_checked = False  # the slow-fp16-on-CPU warning is given once
         self._checkpoint_key = type(self).__qualname__
 
     def __str__(self) -> str:
@@ -293,7 +294,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         if self.device is None:
             param = next(model.parameters(), None)
             self.device = param.device.type if param is not None else "cpu"
-        check_device_supports(type(self).__name__, self.device, self.precision)
+        check_device_supports(type(self).__name__, self.device, self.precision, warn=not self._device_checked)
+        self._device_checked = True
 
     def _refuse_lbfgs(self, optimizer: Any) -> None:
         if isinstance(_inner(optimizer), LBFGS) and self.engine.guard is not None:

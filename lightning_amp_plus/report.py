@@ -463,16 +463,21 @@ def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
     bits_axis.set_xlabel("activations: bits below the format's largest value (red: under 2)")
     bits_axis.set_yticks(rows, labels, fontsize=7)
     bits_axis.invert_yaxis()
-    bits_axis.legend(fontsize=7, loc="lower right")
+    _legend_below(bits_axis)
     flushed = [_percent(layer.grad_flushed_pct) for layer in layers]
     subnormal = [_percent(layer.grad_subnormal_pct) for layer in layers]
     lost_axis.barh(rows, flushed, color="tab:red", label="flushed to zero")
     lost_axis.barh(rows, subnormal, left=flushed, color="tab:orange", label="subnormal")
     lost_axis.set_xlabel(f"gradients lost in {dtype} (%)")
     lost_axis.set_xlim(0, max(1.0, max(f + n for f, n in zip(flushed, subnormal, strict=True)) * 1.15))
-    lost_axis.legend(fontsize=7, loc="lower right")
+    _legend_below(lost_axis)
     for axis in (bits_axis, lost_axis):
         axis.grid(True, axis="x", alpha=0.3)
+
+
+def _legend_below(axis: Any) -> None:
+    # Under the axis label, outside the bars: inside, a legend hides the last layers' bars whatever its corner.
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False)
 
 
 def _percent(value: float) -> float:

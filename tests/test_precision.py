@@ -785,3 +785,19 @@ def test_resuming_with_another_master_weights_setting_is_refused_with_the_way_ou
         ValueError, match=rf"master_weights={saved}\), this run uses master_weights={not saved}.*Resume"
     ):
         resumed.fit(TinyRegressor(), loader(), ckpt_path=path)
+
+
+def test_the_slow_fp16_on_cpu_warning_is_given_once_per_plugin_across_its_runs() -> None:
+    # Python's once-per-place rule is reset by any warnings.catch_warnings() block (a replay of the monitor's runs
+    # one): the plugin itself must remember that it warned, or each run it is connected to (a fit, then the validate
+    # amp-plus train runs after it) warns again.
+    plugin = MixedPrecisionPlugin("16-mixed", device="cpu")
+    model = TinyRegressor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        make_trainer(plugin, max_steps=1, max_epochs=-1).fit(model, loader())
+        with warnings.catch_warnings():
+            pass
+        make_trainer(plugin, max_steps=1, max_epochs=-1).fit(model, loader())
+    slow = [w for w in caught if "fp16 autocast is correct there but slow" in str(w.message)]
+    assert len(slow) == 1

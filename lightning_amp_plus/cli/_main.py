@@ -136,7 +136,8 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         choices=tuple(SETUPS),
         default=list(COMPARE_DEFAULT),
         metavar="CONFIG",
-        help=f"which to run, in order (default: {', '.join(COMPARE_DEFAULT)}; also lightning-bf16-true)",
+        help=f"which to run, in order (default: {', '.join(COMPARE_DEFAULT)}; also lightning-bf16-true, "
+        "ours-bf16-true-kahan, ours-bf16-true-sr)",
     )
     group.add_argument(
         "--in-process",
