@@ -89,10 +89,12 @@ def _check_saved_setting(state: dict[str, Any], key: str, mine: object, owner: s
     saved = state[key]
     if type(saved) is not type(mine) or saved != mine:
         # As the constructor reads: the precision positionally, the other settings by keyword.
-        show = (lambda v: repr(v)) if argument == "precision" else (lambda v: f"{argument}={v!r}")
+        then, now = (
+            (repr(saved), repr(mine)) if argument == "precision" else (f"{argument}={saved!r}", f"{argument}={mine!r}")
+        )
         name = owner.split(".")[-1]
         raise ValueError(
-            f"The checkpoint was trained with {name}({show(saved)}), this run uses {show(mine)}. Resume with "
+            f"The checkpoint was trained with {name}({then}), this run uses {now}. Resume with "
             f"{argument}={saved!r}, or delete checkpoint['{owner}'] to start the plugin's state afresh (loss scale, "
             "skip counters, compensation)."
         )

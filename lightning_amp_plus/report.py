@@ -670,7 +670,11 @@ def _comparison_figure(rows: Sequence[ComparisonRow], title: str) -> Any:
             [row.ratio if relative else row.step_ms for row in rows],
             "{:.2f}x" if relative else "{:,.1f}",
         ),
-        ("peak memory, MB", [row.peak_memory_mb for row in rows], "{:,.1f}"),
+        (
+            "peak memory, MB (on CPU: rise of the RSS)",
+            [row.peak_memory_mb for row in rows],
+            "{:,.1f}",
+        ),
         ("final train loss", [row.final_train_loss for row in rows], "{:.3f}"),
         ("validation accuracy", [row.val_acc for row in rows], "{:.3f}"),
     ]
@@ -680,15 +684,18 @@ def _comparison_figure(rows: Sequence[ComparisonRow], title: str) -> Any:
     positions = list(range(len(rows)))
     for axis, (label, values, template) in zip(axes.flat, panels, strict=True):
         heights = [v if v is not None and math.isfinite(v) else 0.0 for v in values]
-        bars = axis.barh(positions, heights, color=colors)
+        axis.barh(positions, heights, color=colors)
         texts = ["-" if v is None or not math.isfinite(v) else template.format(v) for v in values]
-        axis.bar_label(bars, labels=texts, padding=3, fontsize=8)
+        reference = 1.0 if relative and template.endswith("x") else 0.0  # the 1.0x line: labels start past it
+        for position, height, text in zip(positions, heights, texts, strict=True):
+            axis.annotate(text, (max(height, reference), position), xytext=(3, 0), textcoords="offset points",
+                          va="center", fontsize=8)  # fmt: skip
         axis.set_title(label, fontsize=10)
         # Accuracy on its whole 0-1 range; the others from zero to a little past the longest bar and its label.
-        axis.set_xlim(0, 1.12 if label == "validation accuracy" else max([*heights, 1e-12]) * 1.25)
+        axis.set_xlim(0, 1.12 if label == "validation accuracy" else max([*heights, reference, 1e-12]) * 1.25)
         axis.grid(True, axis="x", alpha=0.3)
-        if relative and template.endswith("x"):
-            axis.axvline(1.0, color="black", linewidth=0.8)
+        if reference:
+            axis.axvline(reference, color="black", linewidth=0.8)
     axes[0, 0].set_yticks(positions, names)
     axes[0, 0].invert_yaxis()  # the table's order, top to bottom
     figure.suptitle(title, fontsize=11)

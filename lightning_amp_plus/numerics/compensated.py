@@ -155,6 +155,27 @@ def _widened(tensor: Tensor) -> Tensor:
     return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
+# The most elements one piece of a compensated update holds (see ``Compensator._update``): 4 Mi elements, 16 MiB in
+# FP32, so a few FP32 temporaries of a piece stay well below a large tensor's own size.
+PIECE = 1 << 22
+
+
+def _pieces(*tensors: Tensor) -> list[slice | None]:
+    """Slices of the flattened tensors, at most ``PIECE`` elements each; ``[None]`` (the whole) when one suffices.
+
+    Pieces need flat views: a tensor that is not contiguous (a ``channels_last`` weight, say) is updated whole.
+    """
+    numel = tensors[0].numel()
+    if numel <= PIECE or not all(tensor.is_contiguous() for tensor in tensors):
+        return [None]
+    return [slice(start, min(start + PIECE, numel)) for start in range(0, numel, PIECE)]
+
+
+def _piece(tensor: Tensor, part: slice | None) -> Tensor:
+    """The elements ``part`` of ``tensor`` (a view, written through), or the tensor itself."""
+    return tensor if part is None else tensor.view(-1)[part]
+
+
 def _write_back(target: Tensor, value: Tensor) -> None:
     """Round FP32 ``value`` to nearest into ``target`` (nothing to do if ``value`` is ``target`` itself)."""
     if value is not target:
@@ -293,25 +314,44 @@ class Compensator:
         return found
 
     def _update(self, group: dict[str, Any], param: Tensor, grad: Tensor) -> None:
-        """One compensated update of bf16 ``param``: the FP32 math, then the states and the weight written back."""
-        master = self._master(param)
-        grad32 = _widened(local_view(grad))
-        if isinstance(self.optimizer, torch.optim.SGD):
-            self._sgd(group, param, master, grad32)
-        else:
-            self._adam(group, param, master, grad32)
-        self._write_weight(param, master)
+        """One compensated update of bf16 ``param``: the FP32 math, then the states and the weight written back.
 
-    def _master(self, param: Tensor) -> Tensor:
-        """The FP32 value the update starts from: the weight, plus its compensation buffer under Kahan."""
-        master = local_view(param).float()
-        if self.method == "kahan":
-            buffer = self._buffers.get(param)
-            if buffer is not None:
-                master.add_(local_view(buffer))
-        return master
+        The math runs on pieces of at most ``PIECE`` elements, so its FP32 temporaries (the widened weight, gradient
+        and moments) cost at most a few ``PIECE``-sized buffers, not a few copies of the largest tensor (an LLM's
+        embedding). Every operation is elementwise: the pieces give the whole tensor's result bit for bit (under
+        stochastic rounding the random numbers are drawn piece by piece, from the same stream).
+        """
+        weight, grad = local_view(param), local_view(grad)
+        buffer, fresh = self._kahan_buffer(param)
+        is_sgd = isinstance(self.optimizer, torch.optim.SGD)
+        states = self._sgd_states(group, param) if is_sgd else self._adam_states(param)
+        step = None if is_sgd else float(self.optimizer.state[param]["step"].item())
+        involved = [weight, grad, *[t for t in (buffer, *states.values()) if t is not None]]
+        for part in _pieces(*involved):
+            master = _piece(weight, part).float()
+            if buffer is not None and not fresh:
+                master.add_(_piece(buffer, part))
+            grad32 = _widened(_piece(grad, part))
+            pieces = {key: None if state is None else _piece(state, part) for key, state in states.items()}
+            if is_sgd:
+                self._sgd(group, master, grad32, pieces)
+            else:
+                assert step is not None
+                self._adam(group, master, grad32, pieces, step)
+            self._write_weight(_piece(weight, part), master, None if buffer is None else _piece(buffer, part))
 
-    def _adam(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
+    def _kahan_buffer(self, param: Tensor) -> tuple[Tensor | None, bool]:
+        """The local Kahan buffer of ``param`` (made at its first step: then ``fresh``), or ``None`` without Kahan."""
+        if self.method != "kahan":
+            return None, False
+        buffer = self._buffers.get(param)
+        fresh = buffer is None
+        if buffer is None:
+            buffer = self._buffers[param] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        return local_view(buffer), fresh
+
+    def _adam_states(self, param: Tensor) -> dict[str, Tensor | None]:
+        """``param``'s Adam states in their configured dtypes (made at its first step), the step counter advanced."""
         state = self.optimizer.state[param]
         if not state:
             # torch's own initial state (the step counter on the CPU, as torch keeps it when neither fused nor
@@ -323,15 +363,37 @@ class Compensator:
             )
         self._cast_state(state, "exp_avg", self.exp_avg_dtype)
         self._cast_state(state, "exp_avg_sq", self.exp_avg_sq_dtype)
-        exp_avg, exp_avg_sq = local_view(state["exp_avg"]), local_view(state["exp_avg_sq"])
-        exp_avg32, exp_avg_sq32 = _widened(exp_avg), _widened(exp_avg_sq)
         state["step"] += 1
+        return {"exp_avg": local_view(state["exp_avg"]), "exp_avg_sq": local_view(state["exp_avg_sq"])}
+
+    def _sgd_states(self, group: dict[str, Any], param: Tensor) -> dict[str, Tensor | None]:
+        """``param``'s momentum buffer (``None`` without momentum), and whether this is its first step (``"new"``).
+
+        At the first step with momentum the buffer is made here, to be written, but the update starts it from the
+        gradient, as torch does.
+        """
+        if group["momentum"] == 0:
+            return {"momentum_buffer": None, "new": None}
+        state = self.optimizer.state[param]
+        first = "momentum_buffer" not in state or state["momentum_buffer"] is None
+        if first:
+            state["momentum_buffer"] = torch.zeros_like(param, dtype=self.exp_avg_dtype)
+        self._cast_state(state, "momentum_buffer", self.exp_avg_dtype)
+        buffer = local_view(state["momentum_buffer"])
+        return {"momentum_buffer": buffer, "new": buffer if first else None}
+
+    def _adam(
+        self, group: dict[str, Any], master: Tensor, grad32: Tensor, states: dict[str, Tensor | None], step: float
+    ) -> None:
+        exp_avg, exp_avg_sq = states["exp_avg"], states["exp_avg_sq"]
+        assert exp_avg is not None and exp_avg_sq is not None
+        exp_avg32, exp_avg_sq32 = _widened(exp_avg), _widened(exp_avg_sq)
         adam_(
             master,
             grad32,
             exp_avg32,
             exp_avg_sq32,
-            state["step"].item(),
+            step,
             lr=group["lr"],
             beta1=group["betas"][0],
             beta2=group["betas"][1],
@@ -344,16 +406,12 @@ class Compensator:
         _write_back(exp_avg, exp_avg32)
         _write_back(exp_avg_sq, exp_avg_sq32)
 
-    def _sgd(self, group: dict[str, Any], param: Tensor, master: Tensor, grad32: Tensor) -> None:
-        state = self.optimizer.state[param]
-        buffer = state.get("momentum_buffer") if group["momentum"] != 0 else None
-        if buffer is not None:
-            self._cast_state(state, "momentum_buffer", self.exp_avg_dtype)
-            buffer = local_view(state["momentum_buffer"])
+    def _sgd(self, group: dict[str, Any], master: Tensor, grad32: Tensor, states: dict[str, Tensor | None]) -> None:
+        buffer, new = states["momentum_buffer"], states["new"]
         buffer32 = sgd_(
             master,
             grad32,
-            _widened(buffer) if buffer is not None else None,
+            None if buffer is None or new is not None else _widened(buffer),  # the first step starts it from grad
             lr=group["lr"],
             momentum=group["momentum"],
             dampening=group["dampening"],
@@ -361,12 +419,8 @@ class Compensator:
             weight_decay=group["weight_decay"],
             maximize=group["maximize"],
         )
-        if buffer32 is None:  # no momentum: no state, as in torch
-            return
-        if buffer is None:  # the first step with momentum: the buffer starts from the gradient
-            state["momentum_buffer"] = torch.zeros_like(param, dtype=self.exp_avg_dtype)
-            buffer = local_view(state["momentum_buffer"])
-        _write_back(buffer, buffer32)
+        if buffer is not None and buffer32 is not None:
+            _write_back(buffer, buffer32)
 
     @staticmethod
     def _cast_state(state: dict[str, Any], key: str, dtype: torch.dtype) -> None:
@@ -374,18 +428,15 @@ class Compensator:
         if state[key].dtype != dtype:
             state[key] = state[key].to(dtype)
 
-    def _write_weight(self, param: Tensor, master: Tensor) -> None:
+    def _write_weight(self, weight: Tensor, master: Tensor, buffer: Tensor | None) -> None:
         """Write the FP32 result into the bf16 weight: rounded to nearest with the error kept, or stochastically."""
-        weight = local_view(param)
         if self.method == "stochastic":
             weight.copy_(round_stochastically(master, self._generator(weight.device)))
             return
+        assert buffer is not None
         weight.copy_(master)
-        buffer = self._buffers.get(param)
-        if buffer is None:
-            buffer = self._buffers[param] = torch.zeros_like(param, memory_format=torch.preserve_format)
         # The residual of rounding an FP32 number to bf16 is exact in FP32; the buffer keeps its 8 leading bits.
-        local_view(buffer).copy_(master.sub_(weight))
+        buffer.copy_(master.sub_(weight))
 
     def _generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
