@@ -130,7 +130,8 @@ _PHASES = ("fwd", "bwd", "unscale", "step")
 _MARK = "bench_master/"
 _MMAP_THRESHOLD = 64 * 1024
 _BASE = "32-true"
-_REFERENCE = "lightning-bf16-mixed"
+# Each master-weights set-up is judged against Lightning's own mixed precision of the same dtype.
+_REFERENCE = {"ours-16-mixed-master": "lightning-16-mixed", "ours-bf16-mixed-master": "lightning-bf16-mixed"}
 _MASTER_KEYS = ("ours-16-mixed-master", "ours-bf16-mixed-master")
 
 
@@ -677,18 +678,22 @@ def print_phases(spec: ModelSpec, results: dict[str, Result], device: str) -> No
 
 
 def print_verdict(spec: ModelSpec, results: dict[str, Result], device: str) -> None:
-    """Master weights against Lightning bf16-mixed: memory (and, on CUDA, step time)."""
-    reference = results.get(_REFERENCE)
+    """Master weights against Lightning's mixed precision of the same dtype: memory (and, on CUDA, step time)."""
     masters = [key for key in _MASTER_KEYS if key in results]
     print()
-    if reference is None or not masters:
-        print(f"verdict ({spec.name}): needs {_REFERENCE} and a master-weights set-up in --configs")
+    if not masters:
+        print(f"verdict ({spec.name}): needs a master-weights set-up in --configs")
         return
     for key in masters:
+        reference_key = _REFERENCE[key]
+        reference = results.get(reference_key)
+        if reference is None:
+            print(f"verdict ({spec.name}, {_BY_KEY[key].label}): needs {reference_key} in --configs to compare with")
+            continue
         result = results[key]
         ratio = result.memory.peak / reference.memory.peak
         diff = result.memory.peak - reference.memory.peak
-        line = f"verdict ({spec.name}, {_BY_KEY[key].label}): peak memory {ratio:.3f}x Lightning bf16-mixed "
+        line = f"verdict ({spec.name}, {_BY_KEY[key].label}): peak memory {ratio:.3f}x {_BY_KEY[reference_key].label} "
         # Under a KiB apart (a few FP32 normalisation parameters) is a tie, and a tie meets "<=".
         tie = abs(diff) < 1024
         judged = "met (<= 1.00x, a tie)" if tie else verdict(ratio, 1.0)
