@@ -196,12 +196,22 @@ def test_the_comparison_chart_labels_every_bar_and_shows_loss_and_accuracy(tmp_p
             ConfigResult("ours-bf16-mixed", 4, 25.0, None, 0.71, 0.52, 0, 1.0, 2.5)]  # fmt: skip
     figure = _comparison_figure(rows, "title")
     titles = [axis.get_title() for axis in figure.axes]
-    assert titles == ["step time vs 32-true (lower is faster)", "peak memory, MB", "final train loss",
+    assert titles == ["step time vs 32-true (lower is faster)",
+                      "peak memory, MB (on CPU: rise of the RSS)", "final train loss",
                       "validation accuracy"]  # fmt: skip
     labels = [[text.get_text() for text in axis.texts] for axis in figure.axes]
     assert labels == [["1.00x", "2.50x"], ["20.0", "-"], ["0.700", "0.710"], ["0.500", "0.520"]]
     path = write_comparison_chart(rows, tmp_path / "cmp.png", "title")
     assert path.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_ratio_below_one_is_labelled_past_the_reference_line_not_across_it() -> None:
+    rows = [ConfigResult("32-true", 4, 10.0, 20.0, 0.70, 0.50, 0, 1.0, 1.0),
+            ConfigResult("ours-bf16-mixed", 4, 9.0, 20.0, 0.70, 0.50, 0, 1.0, 0.9)]  # fmt: skip
+    figure = _comparison_figure(rows, "title")
+    starts = [text.xy[0] for text in figure.axes[0].texts]
+    assert starts == [1.0, 1.0]  # 0.90x is written right of the 1.0x line, where it crosses nothing
+    assert [text.xy[0] for text in figure.axes[1].texts] == [20.0, 20.0]  # elsewhere at the bar's end
 
 
 def test_the_comparison_chart_has_a_legend_for_each_colour_its_bars_use() -> None:
