@@ -166,9 +166,9 @@ class Counting(Faulty):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
         self.seen_metric.update(torch.tensor(float(len(batch[0]))))
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         self.seen += len(batch[0])
-        self.last["loss"] = float(loss)
+        self.last["loss"] = float(loss.detach())
         return loss
 
 
