@@ -6,6 +6,7 @@ hits both alike, and summarise a pair as medians and per-round ratios.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import statistics
@@ -13,7 +14,7 @@ import time
 import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 _Key = TypeVar("_Key", bound=Hashable)
 
@@ -88,3 +89,77 @@ def run_interleaved(
 def verdict(ratio: float, target: float) -> str:
     """``met`` or ``NOT met`` against ``target`` (a ratio; lower is better)."""
     return f"{'met' if ratio <= target else 'NOT met'} (<= {target:.2f}x)"
+
+
+_METAVARS = {"32-true": "FP32", "bf16-mixed": "BF16", "16-mixed": "FP16"}
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """A script's defaults: rounds, time budget (s) and warm-up steps, full and ``--quick``, and timed steps."""
+
+    rounds: tuple[int, int]
+    budget_s: tuple[float, float]
+    warmup: tuple[int, int]
+    steps: dict[str, tuple[int, int]]
+    """precision -> (full, quick) timed steps per run."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run of a script does: at most ``rounds`` rounds within ``budget_s``, ``warmup`` + ``steps`` steps."""
+
+    rounds: int
+    budget_s: float
+    warmup: int
+    steps: dict[str, int]
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser, defaults: Defaults) -> None:
+    """The arguments every A/B script takes: ``--quick``, ``--rounds``, ``--budget-s``, ``--warmup``, ``--steps``
+    (one count per precision), ``--threads``, ``--seed``."""
+    (rounds, quick_rounds), (budget, quick_budget) = defaults.rounds, defaults.budget_s
+    full_steps = " ".join(str(full) for full, _ in defaults.steps.values())
+    quick_steps = " ".join(str(quick) for _, quick in defaults.steps.values())
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
+    parser.add_argument(
+        "--rounds", type=int, default=None, help=f"most interleaved rounds (default {rounds}, quick {quick_rounds})"
+    )
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"no new round after this many s (default {budget:g}, quick {quick_budget:g})",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"steps dropped at the start of each run (default {defaults.warmup[0]})",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        nargs=len(defaults.steps),
+        default=None,
+        metavar=tuple(_METAVARS.get(name, name.upper()) for name in defaults.steps),
+        help=f"timed steps per run for {', '.join(defaults.steps)} (default {full_steps}; quick {quick_steps})",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def plan(args: Any, defaults: Defaults) -> Plan:
+    """The run's plan from the parsed arguments (their defaults, full or ``--quick``); sets the thread count."""
+    import torch  # here: the rest of this module imports no torch
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    pick = 1 if args.quick else 0
+    steps = args.steps or [both[pick] for both in defaults.steps.values()]
+    return Plan(
+        rounds=args.rounds or defaults.rounds[pick],
+        budget_s=args.budget_s if args.budget_s is not None else defaults.budget_s[pick],
+        warmup=args.warmup if args.warmup is not None else defaults.warmup[pick],
+        steps=dict(zip(defaults.steps, steps, strict=True)),
+    )

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import lightning as L
 import torch
 import torch.nn.functional as F
-from _ab import Ratio, Side, load, quiet, run_interleaved, verdict  # same directory
+from _ab import Defaults, Ratio, Side, add_plan_arguments, load, plan, quiet, run_interleaved, verdict  # same directory
 from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 
@@ -120,34 +120,22 @@ def run_once(config: Config, steps: int, warmup: int, seed: int, clip: bool) -> 
     return times[warmup:]
 
 
+DEFAULTS = Defaults(
+    rounds=(10, 2), budget_s=(240.0, 45.0), warmup=(3, 2),
+    steps={"32-true": (20, 6), "bf16-mixed": (20, 6), "16-mixed": (5, 2)},
+)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
     parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
-    parser.add_argument("--rounds", type=int, default=None, help="most interleaved rounds (default 10, quick 2)")
-    parser.add_argument("--budget-s", type=float, default=None, help="no new round after this many s (default 240)")
-    parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (default 3)")
-    parser.add_argument(
-        "--steps",
-        type=int,
-        nargs=3,
-        default=None,
-        metavar=("FP32", "BF16", "FP16"),
-        help="timed steps per run for 32-true, bf16-mixed, 16-mixed (default 20 20 5; quick 6 6 2)",
-    )
     parser.add_argument("--no-clip", action="store_true", help="time the loop without fabric.clip_gradients")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_plan_arguments(parser, DEFAULTS)
     args = parser.parse_args()
 
     quiet(".*fp16 autocast is correct there but slow.*")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 10)
-    budget = args.budget_s if args.budget_s is not None else (45.0 if args.quick else 240.0)
-    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 3)
-    steps_fp32, steps_bf16, steps_fp16 = args.steps or ((6, 6, 2) if args.quick else (20, 20, 5))
-    steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16, "16-mixed": steps_fp16}
+    run_plan = plan(args, DEFAULTS)
+    rounds, budget, warmup, steps = run_plan.rounds, run_plan.budget_s, run_plan.warmup, run_plan.steps
     pairs = _pairs(args.precisions)
     clip = not args.no_clip
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _ab import Ratio, Side, load, quiet, run_interleaved, verdict  # same directory
+from _ab import Defaults, Ratio, Side, add_plan_arguments, load, plan, quiet, run_interleaved, verdict  # same directory
 from bench_step import SmallCNN  # same directory: the CNN of the step benchmark
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -121,36 +121,21 @@ def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: i
     return intervals[warmup:]
 
 
+DEFAULTS = Defaults(
+    rounds=(8, 2), budget_s=(200.0, 40.0), warmup=(5, 3), steps={"32-true": (80, 15), "bf16-mixed": (20, 5)}
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
     parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
     parser.add_argument("--loggers", nargs="+", default=list(_LOGGERS), choices=_LOGGERS)
-    parser.add_argument("--rounds", type=int, default=None, help="most interleaved rounds (default 8, quick 2)")
-    parser.add_argument(
-        "--budget-s", type=float, default=None, help="no new round after this many s (default 200, quick 40)"
-    )
-    parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (default 5)")
-    parser.add_argument(
-        "--steps",
-        type=int,
-        nargs=2,
-        default=None,
-        metavar=("FP32", "BF16"),
-        help="timed steps per run for 32-true and bf16-mixed (default 80 20; quick 15 5)",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_plan_arguments(parser, DEFAULTS)
     args = parser.parse_args()
 
     quiet(".*smaller than the logging interval.*")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 8)
-    budget = args.budget_s if args.budget_s is not None else (40.0 if args.quick else 200.0)
-    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    steps_fp32, steps_bf16 = args.steps or ((15, 5) if args.quick else (80, 20))
-    steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16}
+    run_plan = plan(args, DEFAULTS)
+    rounds, budget, warmup, steps = run_plan.rounds, run_plan.budget_s, run_plan.warmup, run_plan.steps
     pairs = {
         (precision, logger): (Monitored("without", monitored=False), Monitored("with", monitored=True))
         for precision in args.precisions

@@ -47,7 +47,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _ab import Ratio, Side, load, quiet, run_interleaved, verdict  # same directory
+from _ab import Defaults, Ratio, Side, add_plan_arguments, load, plan, quiet, run_interleaved, verdict  # same directory
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -151,35 +151,21 @@ def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
     return timer.times[warmup:]
 
 
+DEFAULTS = Defaults(
+    rounds=(8, 2), budget_s=(240.0, 45.0), warmup=(5, 3),
+    steps={"32-true": (100, 20), "bf16-mixed": (30, 8), "16-mixed": (30, 8)},
+)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps (under a minute)")
     parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
-    parser.add_argument("--rounds", type=int, default=None, help="most interleaved rounds (default 8, quick 2)")
-    parser.add_argument(
-        "--budget-s", type=float, default=None, help="no new round after this many s (default 240, quick 45)"
-    )
-    parser.add_argument("--warmup", type=int, default=None, help="steps dropped at the start of each run (default 5)")
-    parser.add_argument(
-        "--steps",
-        type=int,
-        nargs=3,
-        default=None,
-        metavar=("FP32", "BF16", "FP16"),
-        help="timed steps per run for 32-true, bf16-mixed, 16-mixed (default 100 30 30; quick 20 8 8)",
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
+    add_plan_arguments(parser, DEFAULTS)
     args = parser.parse_args()
 
     quiet(".*fp16 autocast is correct there but slow.*")
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    rounds = args.rounds or (2 if args.quick else 8)
-    budget = args.budget_s if args.budget_s is not None else (45.0 if args.quick else 240.0)
-    warmup = args.warmup if args.warmup is not None else (3 if args.quick else 5)
-    steps_fp32, steps_bf16, steps_fp16 = args.steps or ((20, 8, 8) if args.quick else (100, 30, 30))
-    steps = {"32-true": steps_fp32, "bf16-mixed": steps_bf16, "16-mixed": steps_fp16}
+    run_plan = plan(args, DEFAULTS)
+    rounds, budget, warmup, steps = run_plan.rounds, run_plan.budget_s, run_plan.warmup, run_plan.steps
     pairs = _pairs(args.precisions)
 
     print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
