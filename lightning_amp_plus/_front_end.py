@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus.numerics.checks import check_bool, check_int
 from lightning_amp_plus.numerics.compensated import Method
+from lightning_amp_plus.numerics.engine import StepEngine
 from lightning_amp_plus.numerics.guard import GradientGuard, NonfiniteGuard
 from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT",
     "DEFAULT_SKIPS",
     "PRECISIONS",
+    "PluginReadings",
     "Settings",
     "check_bool",
     "check_compensation",
@@ -62,6 +64,56 @@ COMPENSATIONS = ("auto", "kahan", "stochastic", None)
 DEFAULT_SKIPS = 50
 # Asks `scaler_for` for a default scaler (None, given to a setter, is refused for fp16).
 DEFAULT: Any = object()
+
+
+class PluginReadings:
+    """What the Trainer's and Fabric's plugins read and set alike: the scaler, the half dtype, FSDP2's policy.
+
+    A mixin over the plugin's ``engine`` (its guard is the scaler under fp16), ``precision`` and ``_skip_limit``.
+    """
+
+    engine: StepEngine
+    precision: Any  # a precision name; each framework's Precision declares it with its own Literal type
+    _skip_limit: int | None
+
+    def _name(self) -> str:
+        """The class name the messages give (the Fabric FSDP plugin's inner plugin speaks as the FSDP plugin)."""
+        return type(self).__name__
+
+    @property
+    def scaler(self) -> DynamicLossScaler | None:
+        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
+        guard = self.engine.guard
+        return guard if isinstance(guard, DynamicLossScaler) else None
+
+    @scaler.setter
+    def scaler(self, scaler: DynamicLossScaler | None) -> None:
+        if scaler is None and self.precision != "16-mixed":
+            return  # bf16 has no scaler to replace (its check stays)
+        where = f"`{self._name()}.scaler = {scaler!r}`"
+        limit = self._skip_limit
+        self.engine.guard = scaler_for(self.precision, scaler, limit, limit != DEFAULT_SKIPS, where)
+
+    @property
+    def min_scale(self) -> float | None:
+        """The scaler's floor (``None`` without a scaler)."""
+        return None if self.scaler is None else self.scaler.min_scale
+
+    @property
+    def half_dtype(self) -> torch.dtype:
+        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
+        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+
+    @property
+    def mp_policy(self) -> Any:
+        """FSDP2's ``MixedPrecisionPolicy`` for half compute under ``ModelParallelStrategy``: FP32 shards, half math.
+
+        Pass it to ``fully_shard(..., mp_policy=...)`` where the model is sharded (in a LightningModule's
+        ``configure_model``, ``self.trainer.precision_plugin.mp_policy``): the FP32 sharded parameters are then the
+        masters the optimizer steps, the forward and backward run on all-gathered half copies, and the gradients are
+        reduce-scattered in FP32.
+        """
+        return fsdp2_policy(self.half_dtype)
 
 
 @dataclass(frozen=True)

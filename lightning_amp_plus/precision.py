@@ -34,16 +34,15 @@ from typing_extensions import override
 from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
+    PluginReadings,
     check_bool,
     check_device_supports,
     checked_settings,
     default_device,
-    fsdp2_policy,
     plugin_str,
     refuse_deepspeed,
     refuse_removed_options,
     refuse_sharded_master_weights,
-    scaler_for,
     set_up_ranks,
     unwrapped,
     user_names,
@@ -59,7 +58,7 @@ __all__ = ["MixedPrecisionPlugin", "skipped_steps"]
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
-class MixedPrecisionPlugin(EngineReadings, Precision):
+class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     """Mixed-precision training with autocast, a from-scratch dynamic loss scaler, FP32 master weights, or bf16 weights.
 
     ``"16-mixed"`` runs forward under fp16 autocast and scales the loss with a :class:`DynamicLossScaler`;
@@ -152,7 +151,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self.compensation = settings.compensation
         self.hold_schedulers_on_skip = hold_schedulers_on_skip
         self._skip_limit = settings.skip_limit
-        self._skip_limit_given = max_consecutive_skips != DEFAULT_SKIPS
         self.engine = StepEngine(
             settings.guard,
             hold_schedulers=hold_schedulers_on_skip,
@@ -167,42 +165,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
 
     def __str__(self) -> str:
         return plugin_str(self)  # names the fix where pytorch_lightning's Trainer refuses the plugin
-
-    # ------------------------------------------------------------------------------------------------ the scaler
-    @property
-    def scaler(self) -> DynamicLossScaler | None:
-        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
-        guard = self.engine.guard
-        return guard if isinstance(guard, DynamicLossScaler) else None
-
-    @scaler.setter
-    def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        self._set_scaler(scaler, f"`{type(self).__name__}.scaler = {scaler!r}`")
-
-    def _set_scaler(self, scaler: DynamicLossScaler | None, where: str) -> None:
-        if scaler is None and self.precision != "16-mixed":
-            return  # bf16 has no scaler to replace (its check stays)
-        self.engine.guard = scaler_for(self.precision, scaler, self._skip_limit, self._skip_limit_given, where)
-
-    @property
-    def min_scale(self) -> float | None:
-        """The scaler's floor (``None`` without a scaler)."""
-        return None if self.scaler is None else self.scaler.min_scale
-
-    @property
-    def mp_policy(self) -> Any:
-        """FSDP2's ``MixedPrecisionPolicy`` for half compute under ``ModelParallelStrategy``: FP32 shards, half math.
-
-        Pass it to ``fully_shard(..., mp_policy=self.trainer.precision_plugin.mp_policy)`` in ``configure_model``:
-        the FP32 sharded parameters are then the masters the optimizer steps, the forward and backward run on
-        all-gathered half copies, and the gradients are reduce-scattered in FP32.
-        """
-        return fsdp2_policy(self.half_dtype)
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
-        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
 
     @property
     def _half_weights(self) -> bool:

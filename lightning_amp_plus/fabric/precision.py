@@ -43,13 +43,12 @@ from typing_extensions import override
 from lightning_amp_plus import _plugin_state
 from lightning_amp_plus._front_end import (
     DEFAULT_SKIPS,
+    PluginReadings,
     check_device_supports,
     checked_settings,
     default_device,
-    fsdp2_policy,
     refuse_deepspeed,
     refuse_sharded_master_weights,
-    scaler_for,
     set_up_ranks,
     user_names,
 )
@@ -61,7 +60,7 @@ from lightning_amp_plus.numerics.scaler import DynamicLossScaler
 __all__ = ["MixedPrecisionPlugin"]
 
 
-class MixedPrecisionPlugin(EngineReadings, Precision):
+class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
 
     ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
@@ -150,55 +149,12 @@ class MixedPrecisionPlugin(EngineReadings, Precision):
         self._suspended = False
         self._stepped: set[int] = set()  # optimizers stepped since the scale last moved (ids)
 
-    def _name(self) -> str:
-        """The class name the messages give (the FSDP plugin's inner plugin speaks as the FSDP plugin)."""
-        return type(self).__name__
-
     def __repr__(self) -> str:
         return f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r})"
 
     def __str__(self) -> str:
         # What Lightning's Trainer prints when this plugin is given to it ("Found invalid type for plugin {plugin}").
         return f"{self!r}, a Lightning Fabric plugin (for the Trainer, use lightning_amp_plus.MixedPrecisionPlugin)"
-
-    # ------------------------------------------------------------------------------------------------ settings
-    @property
-    def scaler(self) -> DynamicLossScaler | None:
-        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
-        guard = self.engine.guard
-        return guard if isinstance(guard, DynamicLossScaler) else None
-
-    @scaler.setter
-    def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        if scaler is None and self.precision != "16-mixed":
-            return
-        where = f"`{self._name()}.scaler = {scaler!r}`"
-        limit = self._skip_limit
-        self.engine.guard = scaler_for(self.precision, scaler, limit, limit != DEFAULT_SKIPS, where)
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
-        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
-
-    @property
-    def min_scale(self) -> float | None:
-        """The scaler's floor (``None`` without a scaler)."""
-        return None if self.scaler is None else self.scaler.min_scale
-
-    @property
-    def mp_policy(self) -> Any:
-        """FSDP2's ``MixedPrecisionPolicy`` for half compute under ``ModelParallelStrategy``: FP32 shards, half math.
-
-        Pass it to ``fully_shard(..., mp_policy=plugin.mp_policy)`` where the model is sharded: the FP32 sharded
-        parameters are then the masters the optimizer steps, the forward and backward run on all-gathered half copies,
-        and the gradients are reduce-scattered in FP32.
-
-        Examples:
-            >>> MixedPrecisionPlugin("bf16-mixed").mp_policy.param_dtype
-            torch.bfloat16
-        """
-        return fsdp2_policy(self.half_dtype)
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
