@@ -171,7 +171,8 @@ class MixedPrecisionMonitor(Callback):
         self._cpu_memory_said = False
         self._log_this_step = True
         self._bar_scale: float | None = None
-        self._named: list[tuple[str, Tensor]] = []
+        self._named: list[tuple[str, Tensor]] = []  # the checked model's parameters by name, read once per model
+        self._named_model: nn.Module | None = None
 
     # ---------------------------------------------------------------------------------------------- readings
     @property
@@ -204,7 +205,7 @@ class MixedPrecisionMonitor(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
-        self._named = user_names(pl_module)
+        self._named, self._named_model = user_names(pl_module), pl_module
 
     @override
     def on_train_batch_start(
@@ -315,8 +316,14 @@ class MixedPrecisionMonitor(Callback):
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
         if model is not None and self._checking(last + 1):
-            self._found(None, model, "parameters", nonfinite_names(user_names(model)), last)
+            self._found(None, model, "parameters", nonfinite_names(self._names_of(model)), last)
         return metrics
+
+    def _names_of(self, model: nn.Module) -> list[tuple[str, Tensor]]:
+        """``model``'s parameters by name, read once (walking the module tree costs more than the check itself)."""
+        if self._named_model is not model:
+            self._named, self._named_model = user_names(model), model
+        return self._named
 
     def summary(self) -> str:
         """The one-paragraph summary of the run so far (what ``fit`` prints at its end)."""
