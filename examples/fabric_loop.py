@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         optimizer.zero_grad()
         state["step_count"] += 1
         loss_value = float(loss.detach())
-        metrics = monitor.observe(plugin, model=model.module, step=step)  # this step's amp/... metrics
+        metrics = monitor.observe(plugin, model=model, step=step)  # this step's amp/... metrics
         fabric.log_dict({"loss": loss_value, "lr": lr, **metrics}, step=step)
         if plugin.last_step_skipped:
             names = plugin.last_overflow_params
