@@ -70,9 +70,9 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from autopsy_models import batch, fault_a, fault_b, fault_c, finite, mse
 
-from lightning_amp_plus.numerics.autopsy import run_autopsy
-from lightning_amp_plus.numerics.headroom import measure_headroom
-from lightning_amp_plus.numerics.replay import RngState
+from lightning_amp_plus.diagnostics.autopsy import run_autopsy
+from lightning_amp_plus.diagnostics.headroom import measure_headroom
+from lightning_amp_plus.diagnostics.replay import RngState
 
 ROUND = 50
 BF16, FP16 = torch.bfloat16, torch.float16

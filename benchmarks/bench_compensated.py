@@ -25,7 +25,7 @@ What is compared
     The result of a run is the mean train loss of its last 50 steps; the tables give the mean over seeds and, against
     ``32-true`` of the same seed, the mean and worst relative difference. Bytes per parameter are counted from the
     tensors after training (weights + Kahan buffers + optimizer states; gradients not counted) by
-    ``numerics.compensated.footprint``.
+    ``weights.compensated.footprint``.
 
 Step time
     On the gpt task, each compensated variant against ``bf16-true``, in interleaved rounds (A B, B A, ...; a fresh
@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 
 from _ab import Ratio, Side, load, run_interleaved  # same directory
 
-from lightning_amp_plus.numerics.compensated import Compensator, footprint
+from lightning_amp_plus.weights.compensated import Compensator, footprint
 
 BF16 = torch.bfloat16
 VOCAB = 64

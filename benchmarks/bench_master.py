@@ -10,7 +10,7 @@ What is compared
     * ours ``16-mixed`` / ``bf16-mixed``: ``MixedPrecisionPlugin(precision, device)`` (FP32 model under autocast).
     * ours ``+ master weights`` (fp16 and bf16): ``MixedPrecisionPlugin(precision, device, master_weights=True)``: the
       model's parameters are FP32 masters at all times (a half-built model would be widened first; this one is FP32)
-      and autocast computes in half from them, per use, exactly as ``*-mixed`` (see ``numerics/master.py``).
+      and autocast computes in half from them, per use, exactly as ``*-mixed`` (see ``weights/master.py``).
 
     Both fp16 scalers start at 2**10 and never grow, so no step is skipped for overflow (the tables say if one was).
     Two models, both trained with ``AdamW(lr=1e-4, weight_decay=0.01)`` and cross-entropy on random data:
@@ -121,7 +121,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
-from lightning_amp_plus.precision import skipped_steps
+from lightning_amp_plus.plugins.trainer import skipped_steps
 
 MIB = 2**20
 _INIT_SCALE = 2.0**10

@@ -2,7 +2,7 @@
 
 Run: python benchmarks/bench_pieces.py [--elements 16777216] [--rounds 3]
 
-``Compensator`` runs its FP32 math on pieces of at most ``numerics.compensated.PIECE`` elements. This measures what
+``Compensator`` runs its FP32 math on pieces of at most ``weights.compensated.PIECE`` elements. This measures what
 that saves on a tensor larger than a piece (an LLM's embedding is one): one AdamW step with Kahan compensation on a
 single bf16 parameter, each mode in a fresh process (Linux: the rise of ``VmHWM`` during the step, after
 ``/proc/self/clear_refs`` resets it), and the time of a step, both modes interleaved in one process (best of the
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from lightning_amp_plus.numerics import compensated
+from lightning_amp_plus.weights import compensated
 
 WHOLE = 1 << 62  # a piece larger than any tensor: the update runs on the whole tensor at once
 

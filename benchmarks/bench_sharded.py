@@ -53,7 +53,7 @@ from cpu_fsdp import CPUFSDPStrategy
 from launch import WORLD, run_pool
 
 from lightning_amp_plus import FSDPMixedPrecisionPlugin, MixedPrecisionPlugin
-from lightning_amp_plus.numerics.sharding import local_view
+from lightning_amp_plus.step.sharding import local_view
 
 WIDTH, DEPTH, BATCH = 512, 8, 64
 _TARGET = 1.05

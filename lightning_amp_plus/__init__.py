@@ -15,19 +15,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_amp_plus.fsdp import FSDPMixedPrecisionPlugin
-    from lightning_amp_plus.monitor import MixedPrecisionMonitor
-    from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-    from lightning_amp_plus.precision import MixedPrecisionPlugin
+    from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
+    from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
+    from lightning_amp_plus.plugins.trainer_fsdp import FSDPMixedPrecisionPlugin
+    from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 __all__ = ["DynamicLossScaler", "FSDPMixedPrecisionPlugin", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
 __version__ = "0.1.0"
 
 _HOMES = {
-    "DynamicLossScaler": "lightning_amp_plus.numerics.scaler",
-    "FSDPMixedPrecisionPlugin": "lightning_amp_plus.fsdp",
-    "MixedPrecisionMonitor": "lightning_amp_plus.monitor",
-    "MixedPrecisionPlugin": "lightning_amp_plus.precision",
+    "DynamicLossScaler": "lightning_amp_plus.step.scaler",
+    "FSDPMixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer_fsdp",
+    "MixedPrecisionMonitor": "lightning_amp_plus.monitor.callback",
+    "MixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer",
 }
 """Each public name and the module it is loaded from on first use."""
 

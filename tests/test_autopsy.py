@@ -35,9 +35,9 @@ from autopsy_models import (
 )
 from torch import Tensor, nn
 
-from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
-from lightning_amp_plus.numerics.replay import RngState
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
+from lightning_amp_plus.diagnostics.replay import RngState
+from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 FP16, BF16 = torch.float16, torch.bfloat16
 INF = math.inf

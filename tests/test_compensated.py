@@ -1,4 +1,4 @@
-"""Compensated bf16 weights (``numerics/compensated.py``): each update against torch's own optimizer run in FP32.
+"""Compensated bf16 weights (``weights/compensated.py``): each update against torch's own optimizer run in FP32.
 
 References: torch's ``AdamW``/``Adam``/``SGD`` stepping FP32 copies of the same values (the compensated math must be
 theirs, then rounded), an FP32 training run (what compensation must track), and plain bf16 torch (what it must beat).
@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from lightning_amp_plus.numerics import compensated
-from lightning_amp_plus.numerics.compensated import Compensator, Method, footprint, round_stochastically
+from lightning_amp_plus.weights import compensated
+from lightning_amp_plus.weights.compensated import Compensator, Method, footprint, round_stochastically
 
 BF16 = torch.bfloat16
 METHODS: list[Method] = ["kahan", "stochastic"]
@@ -537,7 +537,7 @@ import io, torch, torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from lightning_amp_plus.numerics.compensated import Compensator
+from lightning_amp_plus.weights.compensated import Compensator
 
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))

@@ -47,7 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
-from lightning_amp_plus.numerics import guard
+from lightning_amp_plus.step import guard
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),

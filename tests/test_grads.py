@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_amp_plus.numerics.grads import clip_by_norm_, global_norm, measure, nonfinite_names, unscale_
+from lightning_amp_plus.step.grads import clip_by_norm_, global_norm, measure, nonfinite_names, unscale_
 
 CPU = torch.device("cpu")
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from autopsy_models import MLP, WIDTH, assert_same, batch, snapshot
 from torch import Tensor, nn
 
-from lightning_amp_plus.numerics.formats import FORMATS
-from lightning_amp_plus.numerics.headroom import measure_headroom
-from lightning_amp_plus.numerics.replay import RngState
+from lightning_amp_plus.diagnostics.formats import FORMATS
+from lightning_amp_plus.diagnostics.headroom import measure_headroom
+from lightning_amp_plus.diagnostics.replay import RngState
 
 FP16, BF16 = torch.float16, torch.bfloat16
 # Each format's largest value, smallest normal and smallest subnormal, from its definition (sign, exponent, mantissa).

@@ -1,8 +1,10 @@
 """Architecture rules: the folders say the layering, and the imports follow it.
 
-Layers, bottom up: ``numerics/`` (torch only: a training loop without Lightning can use it), the Lightning layer
-(``precision``, ``monitor``, ``report``, ``models``, ``data``, ``_memory``), the applications (``cli/``). A module
-imports only from its own layer or below, and the package's imports have no cycle.
+Layers, bottom up: the pure-Python helpers (``_checks``, ``_wording``, ``_paths``); the torch-only numerics (``step/``,
+``weights/``, ``diagnostics/``: a training loop without Lightning can use them); the Lightning layer (``plugins/``,
+``monitor/``, ``models/``, ``data/``, the public ``fabric`` names); the applications (``cli/``). A module imports only
+from its own layer or below, the step core imports neither the diagnostics nor the monitor, and the package's imports
+have no cycle.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
 ALL_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
-NUMERICS = [m for m in ALL_MODULES if m.startswith("numerics/")]
-LAYERS = {"numerics": 0, "lightning": 1, "cli": 2}
+TORCH_ONLY = ("step/", "weights/", "diagnostics/")
+NUMERICS = [m for m in ALL_MODULES if m.startswith(TORCH_ONLY)]
+LAYERS = {"_checks": 0, "_wording": 0, "_paths": 0, "step": 1, "weights": 1, "diagnostics": 1, "lightning": 2, "cli": 3}
 
 
 def _is_module_file(dotted: str) -> bool:
@@ -63,8 +66,19 @@ def package_imports(name: str) -> set[str]:
     return {m for m in imported if m in MODULES and m != name}
 
 
-def test_the_numerics_folder_holds_the_scaler_the_policies_the_gradient_passes_and_master_weights() -> None:
-    assert {"numerics/scaler.py", "numerics/policy.py", "numerics/grads.py", "numerics/master.py"} <= set(NUMERICS)
+def test_the_folders_hold_the_step_core_the_weights_the_diagnostics_and_the_front_ends() -> None:
+    assert {"step/engine.py", "step/scaler.py", "step/policy.py", "step/grads.py"} <= set(ALL_MODULES)
+    assert {"weights/master.py", "weights/compensated.py", "diagnostics/autopsy.py", "diagnostics/headroom.py"} <= set(
+        ALL_MODULES
+    )
+    assert {"plugins/trainer.py", "plugins/fabric.py", "plugins/core.py", "monitor/callback.py"} <= set(ALL_MODULES)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in ALL_MODULES if m.startswith("step/")))
+def test_the_step_core_imports_neither_the_diagnostics_nor_the_monitor(module: str) -> None:
+    name = module_name(module)
+    above = {m for m in package_imports(name) if m.split(".")[1] in ("diagnostics", "monitor", "plugins", "cli")}
+    assert not above, f"{name} imports {above}"
 
 
 @pytest.mark.parametrize("module", NUMERICS)
@@ -122,7 +136,7 @@ sys.meta_path.insert(0, Refuse())
 pkg = types.ModuleType('lightning_amp_plus'); pkg.__path__ = [{str(PACKAGE)!r}]
 sys.modules['lightning_amp_plus'] = pkg
 import torch
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.step.scaler import DynamicLossScaler
 w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.5)
 s = DynamicLossScaler(init_scale=4.0)
 s.scale(w.sum()).backward(); s.step(opt); s.update()

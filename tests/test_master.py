@@ -1,4 +1,4 @@
-"""FP32 master weights (``MixedPrecisionPlugin(master_weights=True)``, ``numerics/master.py``) and ``keep_fp32``.
+"""FP32 master weights (``MixedPrecisionPlugin(master_weights=True)``, ``weights/master.py``) and ``keep_fp32``.
 
 The masters are the model's own FP32 parameters at all times; autocast computes in half from them per use. So user code
 during a step (a ``training_step`` writing a constraint, an EMA in a hook, a callback swapping weights) reads and writes
@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
-from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
-from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
+from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
+from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),

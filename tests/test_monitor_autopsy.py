@@ -258,12 +258,12 @@ def texts_of(figure: Any) -> list[str]:
 
 
 def test_the_chart_marks_the_autopsy_says_what_it_found_and_draws_the_headroom_of_each_layer(tmp_path: Path) -> None:
-    from lightning_amp_plus import report
+    from lightning_amp_plus.monitor import chart
 
     monitor = MixedPrecisionMonitor(headroom_interval=4, report_path=tmp_path / "run.png")
     fit(Faulty("forward", fault_batches=(3,)), fp16(), monitor, steps=8)
     assert (tmp_path / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    texts = texts_of(report._whole_figure(monitor.history))
+    texts = texts_of(chart._whole_figure(monitor.history))
     assert "A1" in texts  # the marker on the top panel
     assert any(text.startswith("A1 step 3: layer `model.blocks.0.fc` (Linear)") for text in texts)
     assert {"model.blocks.0.fc", "model.head"} <= set(texts)  # one bar row per layer
@@ -271,9 +271,9 @@ def test_the_chart_marks_the_autopsy_says_what_it_found_and_draws_the_headroom_o
 
 
 def test_a_chart_without_autopsy_or_headroom_is_the_run_chart_alone() -> None:
-    from lightning_amp_plus import report
+    from lightning_amp_plus.monitor import chart
 
     monitor = MixedPrecisionMonitor()
     fit(Faulty(), fp16(), monitor, steps=3)
-    texts = texts_of(report._whole_figure(monitor.history))
+    texts = texts_of(chart._whole_figure(monitor.history))
     assert not any("headroom" in text or "autops" in text for text in texts)

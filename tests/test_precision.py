@@ -683,7 +683,7 @@ def test_a_held_scheduler_pickles_and_copies_as_its_original_class() -> None:
     import copy as _copy
     import pickle
 
-    from lightning_amp_plus.numerics import schedulers as _schedulers
+    from lightning_amp_plus.step import schedulers as _schedulers
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)

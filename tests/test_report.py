@@ -11,17 +11,11 @@ from pathlib import Path
 import pytest
 from helpers import PNG_SIGNATURE
 
+from lightning_amp_plus.cli.chart import _comparison_figure, write_comparison_chart
 from lightning_amp_plus.cli.compare import ConfigResult
-from lightning_amp_plus.report import (
-    AmpHistory,
-    StepRecord,
-    _comparison_figure,
-    _run_figure,
-    check_chart_path,
-    summary,
-    write_chart,
-    write_comparison_chart,
-)
+from lightning_amp_plus.monitor.chart import _run_figure, check_chart_path, write_chart
+from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
+from lightning_amp_plus.monitor.summary import summary
 
 ROUTINE = "overflowed gradients"  # the monitor's kind for a step the scaler skipped
 
@@ -30,7 +24,7 @@ def fp16_run(skipped: set[int], steps: int = 20) -> AmpHistory:
     """A loss scale halving on each skipped step, as dynamic loss scaling does, from 2**16."""
     records, scale = [], 2.0**16
     for step in range(steps):
-        records.append(StepRecord(step, scale, step in skipped, None if step in skipped else 1.0, None))
+        records.append(StepEntry(step, scale, step in skipped, None if step in skipped else 1.0, None))
         scale /= 2 if step in skipped else 1
     return AmpHistory(records, [(step, ROUTINE, ["w"]) for step in sorted(skipped)])
 
@@ -55,7 +49,7 @@ def test_a_run_that_ends_on_skipped_steps_is_not_called_routine() -> None:
 
 
 def test_one_scale_is_said_once_and_counts_take_their_number() -> None:
-    history = AmpHistory([StepRecord(0, 1024.0, False, 1.0, None)])
+    history = AmpHistory([StepEntry(0, 1024.0, False, 1.0, None)])
     history.nonfinite_events.append((0, "parameters", ["w"]))
     text = summary(history)
     assert "1 optimizer step, 0 skipped" in text and "loss scale 2**10 throughout" in text
@@ -64,15 +58,15 @@ def test_one_scale_is_said_once_and_counts_take_their_number() -> None:
 
 
 def test_a_bf16_skip_is_reported_as_non_finite_gradients_with_their_names() -> None:
-    history = AmpHistory([StepRecord(0, None, False, 1.0, None), StepRecord(1, None, True, None, None),
-                          StepRecord(2, None, False, 1.0, None)], [(1, ROUTINE, ["net.0.weight"])])  # fmt: skip
+    history = AmpHistory([StepEntry(0, None, False, 1.0, None), StepEntry(1, None, True, None, None),
+                          StepEntry(2, None, False, 1.0, None)], [(1, ROUTINE, ["net.0.weight"])])  # fmt: skip
     text = summary(history)
     assert "skipped for non-finite gradients, the first at step 1 in net.0.weight" in text
     assert "loss scale" not in text
 
 
 def test_several_optimizers_per_batch_count_every_optimizer_step() -> None:
-    records = [StepRecord(step, None, False, 1.0, None) for step in range(3) for _ in range(2)]
+    records = [StepEntry(step, None, False, 1.0, None) for step in range(3) for _ in range(2)]
     assert "6 optimizer steps in 3 batches, 0 skipped" in summary(AmpHistory(records))
 
 
@@ -82,7 +76,7 @@ def panel_labels(history: AmpHistory) -> list[str]:
 
 
 def test_a_run_without_a_loss_scaler_draws_no_loss_scale_axis_and_says_why() -> None:
-    history = AmpHistory([StepRecord(s, None, False, 1.0 + s, 100.0) for s in range(5)], memory_kind="process memory")
+    history = AmpHistory([StepEntry(s, None, False, 1.0 + s, 100.0) for s in range(5)], memory_kind="process memory")
     figure = _run_figure(history)
     assert [axis.get_ylabel() for axis in figure.axes] == ["gradient norm", "process memory (MB)"]
     assert "no loss scaler (bf16 or fp32): no loss-scale panel" in figure.get_suptitle()
@@ -90,13 +84,13 @@ def test_a_run_without_a_loss_scaler_draws_no_loss_scale_axis_and_says_why() -> 
 
 
 def test_a_gradient_norm_recorded_under_32_true_gets_its_panel() -> None:
-    history = AmpHistory([StepRecord(s, None, False, 2.0, None) for s in range(4)])
+    history = AmpHistory([StepEntry(s, None, False, 2.0, None) for s in range(4)])
     assert panel_labels(history) == ["gradient norm"]
 
 
 def test_the_memory_axis_starts_at_zero_so_a_flat_line_looks_flat() -> None:
     # 0.1 MB of wiggle on 900 MB, sampled every 10 steps as the monitor does on logged steps.
-    history = AmpHistory([StepRecord(s, 2.0**16, False, 1.0, 900.0 + (s % 20) / 200 if s % 10 == 9 else None)
+    history = AmpHistory([StepEntry(s, 2.0**16, False, 1.0, 900.0 + (s % 20) / 200 if s % 10 == 9 else None)
                           for s in range(40)], memory_kind="process memory")  # fmt: skip
     memory_axis = _run_figure(history).axes[-1]
     low, high = memory_axis.get_ylim()
@@ -113,7 +107,7 @@ def test_the_memory_axis_starts_at_zero_so_a_flat_line_looks_flat() -> None:
     ],
 )
 def test_the_memory_panel_says_on_which_steps_memory_was_recorded(sampled: set[int], steps: int, note: str) -> None:
-    history = AmpHistory([StepRecord(s, None, False, 1.0, 900.0 if s in sampled else None) for s in range(steps)])
+    history = AmpHistory([StepEntry(s, None, False, 1.0, 900.0 if s in sampled else None) for s in range(steps)])
     memory_axis = _run_figure(history).axes[-1]
     assert memory_axis.get_title(loc="left") == note
     assert not any("sampled" in text.get_text() for text in memory_axis.texts)
@@ -126,7 +120,7 @@ def floor_run() -> AmpHistory:
     for step in range(40):
         skipped = step not in (0, 5)
         norm = math.inf if skipped else (1.5 if step == 0 else 235.0)
-        records.append(StepRecord(step, scale, skipped, norm, 860.0 if step % 10 == 9 else None))
+        records.append(StepEntry(step, scale, skipped, norm, 860.0 if step % 10 == 9 else None))
         scale = max(scale / 2, 1.0) if skipped else scale
     return AmpHistory(records, memory_kind="process memory")
 
@@ -152,7 +146,7 @@ def test_the_loss_scale_ticks_label_the_lines_top_and_its_floor() -> None:
 
 
 def test_a_two_step_chart_has_a_tick_on_each_step_and_no_empty_half_steps() -> None:
-    figure = _run_figure(AmpHistory([StepRecord(0, None, False, 1.2, None), StepRecord(1, None, False, 1.1, None)]))
+    figure = _run_figure(AmpHistory([StepEntry(0, None, False, 1.2, None), StepEntry(1, None, False, 1.1, None)]))
     axis = figure.axes[-1]
     low, high = axis.get_xlim()
     assert list(axis.get_xticks()) == [0, 1]
@@ -170,7 +164,7 @@ def test_skipped_steps_are_marked_in_every_panel_with_a_legend() -> None:
 
 
 def test_several_optimizers_in_a_batch_make_one_point_with_their_global_norm() -> None:
-    records = [StepRecord(step, None, False, norm, None) for step in range(3) for norm in (3.0, 4.0)]
+    records = [StepEntry(step, None, False, norm, None) for step in range(3) for norm in (3.0, 4.0)]
     figure = _run_figure(AmpHistory(records))
     (axis,) = figure.axes
     assert axis.get_ylabel() == "gradient norm (all optimizers)"
@@ -181,7 +175,7 @@ def test_several_optimizers_in_a_batch_make_one_point_with_their_global_norm() -
 
 
 @pytest.mark.parametrize(
-    "history", [AmpHistory(), fp16_run({0, 1}), AmpHistory([StepRecord(0, None, True, None, None)])]
+    "history", [AmpHistory(), fp16_run({0, 1}), AmpHistory([StepEntry(0, None, True, None, None)])]
 )
 def test_every_history_draws_a_png_exactly_at_the_path_given(history: AmpHistory, tmp_path: Path) -> None:
     path = tmp_path / "new folder" / "amp.png"

@@ -1,7 +1,7 @@
 """Property-based tests: the loss scaler's state machine against a plain-Python reference model of its policy.
 
 The reference (:class:`Reference`) is written from the docstrings of ``ScalePolicy`` and ``DynamicLossScaler``, not from
-the code of ``numerics/policy.py``: it counts the overflows since the last growth (where the package counts a hysteresis
+the code of ``step/policy.py``: it counts the overflows since the last growth (where the package counts a hysteresis
 tracker down) and rounds to float32 with its own helper (:func:`to_f32`, itself checked against torch's float64 ->
 float32 cast).
 
@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus.numerics.policy import ScalePolicy
+from lightning_amp_plus.step.policy import ScalePolicy
 
 F32_TINY = 2.0**-126  # the smallest normal float32
 F32_MAX = (2.0 - 2.0**-23) * 2.0**127

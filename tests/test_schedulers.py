@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_amp_plus.numerics import schedulers as _schedulers
+from lightning_amp_plus.step import schedulers as _schedulers
 
 
 def scheduler() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.StepLR]:

@@ -1,4 +1,4 @@
-"""``numerics.sharding`` and ``DynamicLossScaler.sharding`` in one process (the 2-rank runs: test_sharded_plugin)."""
+"""``step.sharding`` and ``DynamicLossScaler.sharding`` in one process (the 2-rank runs: test_sharded_plugin)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus.numerics.sharding import Sharding, holders, local_view
+from lightning_amp_plus.step.sharding import Sharding, holders, local_view
 
 
 def stepped(sharding: Sharding | None) -> tuple[DynamicLossScaler, list[torch.Tensor]]:

@@ -65,8 +65,8 @@ class PrecisionSetup:
             if self.precision == "16-mixed" and options:
                 scaler = torch.amp.GradScaler(device, **options)
             return {"plugins": [MixedPrecision(mixed, device, scaler=scaler)]}
-        from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-        from lightning_amp_plus.precision import MixedPrecisionPlugin
+        from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
+        from lightning_amp_plus.step.scaler import DynamicLossScaler
 
         ours = DynamicLossScaler(**options) if self.precision == "16-mixed" and options else None
         if self.compensation is not None:

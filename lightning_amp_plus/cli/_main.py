@@ -285,7 +285,7 @@ def _check_request(args: argparse.Namespace) -> None:
             if problem is not None:
                 raise ValueError(problem)
         if args.report is not None:
-            from lightning_amp_plus.report import check_chart_path
+            from lightning_amp_plus.monitor.chart import check_chart_path
 
             check_chart_path(args.report, "--report")
         if args.ckpt_dir is not None:
@@ -305,7 +305,7 @@ def _check_request(args: argparse.Namespace) -> None:
     if args.markdown is not None:
         check_output_file(args.markdown, "--markdown")
     if args.png is not None:
-        from lightning_amp_plus.report import check_chart_path
+        from lightning_amp_plus.monitor.chart import check_chart_path
 
         check_chart_path(args.png, "--png")
 

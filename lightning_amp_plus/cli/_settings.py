@@ -11,8 +11,8 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from lightning_amp_plus._checks import check_int
 from lightning_amp_plus._wording import number
-from lightning_amp_plus.numerics.checks import check_int
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -229,7 +229,7 @@ class AmpSettings:
             if getattr(self, name) is not None:
                 check_int("AmpSettings", name, getattr(self, name), minimum)
         if self.report_path is not None:
-            from lightning_amp_plus.report import check_chart_path
+            from lightning_amp_plus.monitor.chart import check_chart_path
 
             check_chart_path(self.report_path, "report_path")
 
@@ -237,8 +237,8 @@ class AmpSettings:
         """The Trainer's ``plugins``: ``[MixedPrecisionPlugin(...)]``, or ``[]`` for ``32-true``."""
         if self.precision == "32-true":
             return []
-        from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-        from lightning_amp_plus.precision import MixedPrecisionPlugin
+        from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
+        from lightning_amp_plus.step.scaler import DynamicLossScaler
 
         # 0 means "never stop" on the command line, where None cannot be typed.
         limit = 50 if self.max_consecutive_skips is None else (self.max_consecutive_skips or None)
@@ -328,7 +328,7 @@ class AmpSettings:
         """``[MixedPrecisionMonitor(report_path=...)]``, or ``[]`` without the monitor."""
         if not self.monitor:
             return []
-        from lightning_amp_plus.monitor import MixedPrecisionMonitor
+        from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
 
         return [MixedPrecisionMonitor(report_path=self.report_path, headroom_interval=self.headroom_interval)]
 

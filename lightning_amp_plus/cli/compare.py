@@ -46,7 +46,6 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_amp_plus import _memory, report
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
@@ -60,8 +59,10 @@ from lightning_amp_plus.cli._runs import (
     resolve_precision,
 )
 from lightning_amp_plus.cli._settings import model_hparams, task_label, train_settings
-from lightning_amp_plus.numerics.compensated import footprint
-from lightning_amp_plus.precision import skipped_steps
+from lightning_amp_plus.cli.chart import write_comparison_chart
+from lightning_amp_plus.monitor import memory as _memory
+from lightning_amp_plus.plugins.trainer import skipped_steps
+from lightning_amp_plus.weights.compensated import footprint
 
 __all__ = [
     "CONFIGS",
@@ -148,9 +149,9 @@ class ConfigResult:
 class StepTimer(Callback):
     """Times each training batch (forward, backward, optimizer step), records its loss, counts skipped steps.
 
-    Skips are read with :func:`~lightning_amp_plus.precision.skipped_steps` at the end; under ``torch.amp.GradScaler``,
-    which counts none, a skipped step is the one after which the scale went down. Scale reads and loss reads happen
-    outside the timed span.
+    Skips are read with :func:`~lightning_amp_plus.plugins.trainer.skipped_steps` at the end; under
+    ``torch.amp.GradScaler``, which counts none, a skipped step is the one after which the scale went down. Scale reads
+    and loss reads happen outside the timed span.
 
     Examples:
         >>> StepTimer("cpu").median_ms(warmup=0)
@@ -534,7 +535,7 @@ def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer
         Path(args.markdown).write_text(to_markdown(results, footer))
         print(f"Markdown written to {args.markdown}")
     if args.png is not None:
-        report.write_comparison_chart(results, args.png, title)
+        write_comparison_chart(results, args.png, title)
         print(f"chart written to {args.png}")
 
 

@@ -21,7 +21,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_amp_plus import report
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
 from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point
@@ -43,8 +42,10 @@ from lightning_amp_plus.cli._settings import (
     task_label,
     train_settings,
 )
-from lightning_amp_plus.monitor import MixedPrecisionMonitor
-from lightning_amp_plus.precision import skipped_steps
+from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
+from lightning_amp_plus.monitor.chart import write_chart
+from lightning_amp_plus.monitor.summary import summary
+from lightning_amp_plus.plugins.trainer import skipped_steps
 
 __all__ = ["batches_per_rank", "train"]
 
@@ -240,9 +241,9 @@ def _stopped(
     """Report what was measured before ``stop`` (on rank zero) and return the exception the command ends with."""
     monitor = next((c for c in monitors if isinstance(c, MixedPrecisionMonitor)), None)
     if monitor is not None and trainer.is_global_zero:  # the monitor itself reports only at the end of fit
-        print(report.summary(monitor.history))
+        print(summary(monitor.history))
         if amp.report_path is not None:
-            report.write_chart(monitor.history, amp.report_path)
+            write_chart(monitor.history, amp.report_path)
             print(f"MixedPrecisionMonitor: chart written to {amp.report_path}")
         sys.stdout.flush()
     if isinstance(stop, FloatingPointError):  # the scaler's diagnosis: the run cannot make progress

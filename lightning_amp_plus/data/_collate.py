@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.numerics.checks import is_int, show
+from lightning_amp_plus._checks import is_int, show
 
 __all__ = ["pad_collate"]
 

@@ -19,10 +19,10 @@ from torchvision import transforms
 from torchvision.datasets import CIFAR10
 from typing_extensions import override
 
+from lightning_amp_plus._checks import check_bool, check_int
 from lightning_amp_plus.data._cifar_stats import CIFAR10_MEAN, CIFAR10_STD
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset, file_md5
 from lightning_amp_plus.data._loaders import SplitDataModule
-from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10DataModule", "DatasetUnavailableError"]
 

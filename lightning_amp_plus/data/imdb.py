@@ -23,11 +23,11 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from lightning_amp_plus._checks import check_bool, check_int
 from lightning_amp_plus.data._collate import pad_collate
 from lightning_amp_plus.data._download import ArchiveSpec, DatasetUnavailableError, ensure_dataset
 from lightning_amp_plus.data._loaders import SplitDataModule
 from lightning_amp_plus.data._text import PAD_INDEX, Vocabulary, tokenize
-from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["IMDB_MD5", "IMDB_URL", "DatasetUnavailableError", "IMDBDataModule"]
 

@@ -17,12 +17,13 @@ from torch import Tensor
 from torch.utils.data import Dataset, TensorDataset
 from typing_extensions import override
 
+from lightning_amp_plus._checks import check_int, check_nonnegative
+
 # Synthetic images are normalised with the real CIFAR-10 statistics (re-exported here, see __all__).
 from lightning_amp_plus.data._cifar_stats import CIFAR10_MEAN, CIFAR10_STD
 from lightning_amp_plus.data._collate import pad_collate
 from lightning_amp_plus.data._loaders import SplitDataModule
 from lightning_amp_plus.data._text import PAD_INDEX, UNK_INDEX
-from lightning_amp_plus.numerics.checks import check_int, check_nonnegative
 
 __all__ = [
     "CIFAR10_MEAN",

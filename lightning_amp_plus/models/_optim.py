@@ -1,7 +1,7 @@
 """The configuration the shipped models share: optimizer and LR-schedule choices, and their argument checks.
 
 ``configure_optimizers`` of each model calls :func:`configure`; the argument checks run in the models' constructors
-(:func:`check_optim_args`, :func:`check_dropout`, and the rest of :mod:`lightning_amp_plus.numerics.checks`), so that a
+(:func:`check_optim_args`, :func:`check_dropout`, and the rest of :mod:`lightning_amp_plus._checks`), so that a
 bad choice fails when the model is built, not when ``fit`` starts.
 """
 
@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.types import LRSchedulerConfigType
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_amp_plus.numerics.checks import check_nonnegative, check_real
+from lightning_amp_plus._checks import check_nonnegative, check_real
 
 __all__ = [
     "OptimizerName",
@@ -44,7 +44,7 @@ def check_optim_args(
     """Raise a clear error for a choice :func:`configure` cannot build; ``owner`` names the model in the message.
 
     Returns:
-        ``(lr, weight_decay, momentum)`` as Python floats (see :func:`~lightning_amp_plus.numerics.checks.check_real`).
+        ``(lr, weight_decay, momentum)`` as Python floats (see :func:`~lightning_amp_plus._checks.check_real`).
 
     Examples:
         >>> check_optim_args("CifarCNN", "sgd", "cosine", lr=0.05, weight_decay=5e-4, momentum=0.9)

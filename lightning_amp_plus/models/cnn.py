@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
+from lightning_amp_plus._checks import check_bool, check_int
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
-from lightning_amp_plus.numerics.checks import check_bool, check_int
 
 __all__ = ["CifarCNN"]
 

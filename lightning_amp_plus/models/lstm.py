@@ -12,9 +12,9 @@ from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
 from torchmetrics.classification import BinaryAccuracy
 from typing_extensions import override
 
+from lightning_amp_plus._checks import check_bool, check_int, is_int, show
 from lightning_amp_plus.models import _optim
 from lightning_amp_plus.models._optim import OptimizerName, SchedulerName
-from lightning_amp_plus.numerics.checks import check_bool, check_int, is_int, show
 
 __all__ = ["ImdbLSTM"]
 

@@ -1,7 +1,7 @@
 """``MixedPrecisionPlugin`` for Lightning Fabric: the Fabric face of the step engine.
 
 A ``lightning.fabric.plugins.precision.Precision`` that adapts Fabric's hooks to
-:class:`~lightning_amp_plus.numerics.engine.StepEngine`. Fabric's contract differs from the Trainer's, and each hook
+:class:`~lightning_amp_plus.step.engine.StepEngine`. Fabric's contract differs from the Trainer's, and each hook
 here says how it meets it:
 
 * no ``connect``: the plugin never sees the optimizers at set-up, so it keeps the modules ``fabric.setup`` converts
@@ -40,8 +40,8 @@ from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_amp_plus import _plugin_state
-from lightning_amp_plus._front_end import (
+from lightning_amp_plus.plugins import state as _plugin_state
+from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
     PluginReadings,
     check_device_supports,
@@ -52,10 +52,10 @@ from lightning_amp_plus._front_end import (
     set_up_ranks,
     user_names,
 )
-from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
-from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
-from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.step.engine import EngineReadings, StepEngine
+from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
+from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["MixedPrecisionPlugin"]
 

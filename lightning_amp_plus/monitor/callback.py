@@ -2,7 +2,7 @@
 
 A Trainer callback, and the same readings for Fabric and plain loops through :meth:`MixedPrecisionMonitor.observe`.
 Where the steps come from is decided once, when training starts: this package's plugins record every optimizer step's
-:class:`~lightning_amp_plus.numerics.outcome.StepResult` (``_EngineSteps``); under Lightning's own plugins the monitor
+:class:`~lightning_amp_plus.step.outcome.StepResult` (``_EngineSteps``); under Lightning's own plugins the monitor
 sees each step in ``on_before_optimizer_step`` and reads a ``GradScaler``'s skips off its scale (``_ScaleReadSteps``).
 """
 
@@ -23,18 +23,20 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus import _memory
-from lightning_amp_plus._examiner import Examiner, Replay, trainer_replay
-from lightning_amp_plus._front_end import user_names
-from lightning_amp_plus._step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
-from lightning_amp_plus.numerics.autopsy import Autopsy
-from lightning_amp_plus.numerics.checks import check_bool, check_int, check_real
-from lightning_amp_plus.numerics.engine import StepEngine
-from lightning_amp_plus.numerics.grads import nonfinite_names
-from lightning_amp_plus.numerics.headroom import LayerHeadroom
-from lightning_amp_plus.numerics.outcome import StepResult
-from lightning_amp_plus.numerics.sharding import is_dtensor, local_view
-from lightning_amp_plus.report import AmpHistory, StepRecord, check_chart_path, summary, write_chart
+from lightning_amp_plus._checks import check_bool, check_int, check_real
+from lightning_amp_plus.diagnostics.autopsy import Autopsy
+from lightning_amp_plus.diagnostics.headroom import LayerHeadroom
+from lightning_amp_plus.monitor import memory as _memory
+from lightning_amp_plus.monitor.chart import check_chart_path, write_chart
+from lightning_amp_plus.monitor.examiner import Examiner, Replay, trainer_replay
+from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
+from lightning_amp_plus.monitor.step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
+from lightning_amp_plus.monitor.summary import summary
+from lightning_amp_plus.plugins.core import user_names
+from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.step.grads import nonfinite_names
+from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.sharding import is_dtensor, local_view
 
 __all__ = ["MixedPrecisionMonitor"]
 
@@ -75,7 +77,7 @@ class MixedPrecisionMonitor(Callback):
     monitor replays that batch once with hooks (same parameters, same random numbers; the RNG streams, buffers,
     gradients, torchmetrics states and the modules' plain attributes are put back: the run ends as it would without)
     and says where the first inf/NaN came from and why
-    (:class:`~lightning_amp_plus.numerics.autopsy.Autopsy` in :attr:`autopsies`: ``"forward"``, an output that no
+    (:class:`~lightning_amp_plus.diagnostics.autopsy.Autopsy` in :attr:`autopsies`: ``"forward"``, an output that no
     loss scale can keep finite; ``"scale"``, gradients finite at a lower scale; ``"backward"``, non-finite even at the
     scale's floor), at most ``autopsy_limit`` per run (a cause found again is said once). Healthy steps pay only a
     random-state snapshot (about 2 us).
@@ -366,7 +368,7 @@ class MixedPrecisionMonitor(Callback):
     def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
         for offset, result in enumerate(steps):
             index = first + offset
-            self.history.steps.append(StepRecord(index, result.scale, result.skipped, result.grad_norm, peak))
+            self.history.steps.append(StepEntry(index, result.scale, result.skipped, result.grad_norm, peak))
             if result.overflow_params:
                 self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
             self._watch.watch(self.history, self._source.floor())

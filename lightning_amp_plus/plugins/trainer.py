@@ -1,7 +1,7 @@
 """``MixedPrecisionPlugin``: the Trainer's face of the step engine.
 
 A ``lightning.pytorch.plugins.precision.Precision`` that adapts the Trainer's hooks to
-:class:`~lightning_amp_plus.numerics.engine.StepEngine` (the numerics of a step: scale, unscale-check-measure, clip,
+:class:`~lightning_amp_plus.step.engine.StepEngine` (the numerics of a step: scale, unscale-check-measure, clip,
 step or skip, update). Following one optimizer step: :meth:`MixedPrecisionPlugin.optimizer_step` here, then
 ``StepEngine.prepare`` / ``StepEngine.step`` (``numerics/engine.py``), then ``GradientGuard.unscale_`` /
 ``GradientGuard.step`` (``numerics/guard.py``), which call the passes of ``numerics/grads.py``.
@@ -31,8 +31,8 @@ from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
-from lightning_amp_plus import _plugin_state
-from lightning_amp_plus._front_end import (
+from lightning_amp_plus.plugins import state as _plugin_state
+from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
     PluginReadings,
     check_bool,
@@ -47,10 +47,10 @@ from lightning_amp_plus._front_end import (
     unwrapped,
     user_names,
 )
-from lightning_amp_plus.numerics.engine import EngineReadings, StepEngine
-from lightning_amp_plus.numerics.fp32_modules import compute_in_fp32
-from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.step.engine import EngineReadings, StepEngine
+from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
+from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["MixedPrecisionPlugin", "skipped_steps"]
 
@@ -100,7 +100,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     Attributes:
         scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it. Assigning another
             scaler replaces it for every part of the step.
-        engine: the :class:`~lightning_amp_plus.numerics.engine.StepEngine` doing the step's numerics.
+        engine: the :class:`~lightning_amp_plus.step.engine.StepEngine` doing the step's numerics.
         recent_steps: the last optimizer steps' results, newest last (up to 1024 kept).
 
     Examples:

@@ -1,8 +1,7 @@
-"""The record of a mixed-precision run, its end-of-fit summary, and the PNG charts (matplotlib, imported lazily).
+"""The run's PNG chart (matplotlib, imported lazily), and the checks made before any work that it can be drawn.
 
-No Lightning here: ``MixedPrecisionMonitor`` fills an :class:`AmpHistory` and asks this module to describe it;
-``amp-plus compare`` draws its bar chart here too. Charts are drawn on a bare matplotlib ``Figure``, never through
-pyplot: no backend is chosen or switched, and the user's figures are left alone.
+Charts are drawn on a bare matplotlib ``Figure``, never through pyplot: no backend is chosen or switched, and the
+user's figures are left alone.
 """
 
 from __future__ import annotations
@@ -13,190 +12,16 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_amp_plus._paths import check_output_file
-from lightning_amp_plus._wording import plural, shown, spans
+from lightning_amp_plus._wording import plural, shown
+from lightning_amp_plus.monitor.history import AmpHistory, batches, scale_text
 
-__all__ = [
-    "AmpHistory",
-    "ComparisonRow",
-    "StepRecord",
-    "check_chart_path",
-    "require_matplotlib",
-    "summary",
-    "write_chart",
-    "write_comparison_chart",
-]
+__all__ = ["check_chart_path", "new_figure", "require_matplotlib", "save_png", "write_chart"]
 
-_ROUTINE = "overflowed gradients"  # the monitor's event kind for a step the loss scaler (or the plugin) skipped
 _PNG = (".png",)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one optimizer step looked like.
-
-    With several optimizers stepping in one batch there is one record per optimizer step, all with the batch's
-    ``step``.
-
-    Attributes:
-        step: the global step (the batch) it belongs to.
-        scale: the loss scale its gradients carried (``None`` without a loss scaler).
-        skipped: the optimizer step was skipped (non-finite gradients).
-        grad_norm: the global norm of its unscaled gradients (``None`` when not measured).
-        memory_mb: memory in MB, on the steps it was sampled (``None`` otherwise).
-    """
-
-    step: int
-    scale: float | None
-    skipped: bool
-    grad_norm: float | None
-    memory_mb: float | None
-
-
-@dataclass
-class AmpHistory:
-    """Every step's record, plus the non-finite events seen."""
-
-    steps: list[StepRecord] = field(default_factory=list)
-    nonfinite_events: list[tuple[int, str, list[str]]] = field(default_factory=list)
-    """``(step, kind, names)`` for each non-finite finding: ``"parameters"`` or ``"gradients"`` found by the monitor's
-    own check, ``"overflowed gradients"`` on a step the scaler (or the plugin) skipped."""
-    memory_kind: str = "memory"
-    autopsies: list[Any] = field(default_factory=list)
-    """The monitor's autopsies (``numerics.autopsy.Autopsy``), oldest first."""
-    headroom: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
-    notes: list[str] = field(default_factory=list)
-    """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
-
-    @property
-    def skipped(self) -> list[int]:
-        """Steps that were skipped (a step appears once per skipped optimizer step in it)."""
-        return [record.step for record in self.steps if record.skipped]
-
-
-# ------------------------------------------------------------------------------------------------------ summary
-def _scale_text(value: float) -> str:
-    exponent = math.log2(value) if value > 0 else math.nan
-    return f"2**{exponent:.0f}" if exponent.is_integer() else f"{value:g}"
-
-
-def summary(history: AmpHistory) -> str:
-    """One paragraph that says how the run went.
-
-    Skips under a loss scaler are fp16 overflows, routine while the scale finds its level, and are said to be, unless
-    an autopsy found a cause that no loss scale cures; non-finite values the monitor found itself (in parameters, or in gradients nothing guarded) are counted apart.
-
-    Examples:
-        >>> h = AmpHistory([StepRecord(0, 65536.0, True, None, None), StepRecord(1, 32768.0, False, 1.5, None)])
-        >>> h.nonfinite_events.append((0, "overflowed gradients", ["w"]))
-        >>> print(summary(h))
-        MixedPrecisionMonitor: 2 optimizer steps, 1 skipped (50.0%) at step 0; loss scale 2**15 to 2**16, last 2**15; the skipped step was an fp16 overflow caught by the loss scaler, routine in dynamic loss scaling; no non-finite parameters found.
-        >>> print(summary(AmpHistory([StepRecord(0, 1024.0, False, 1.0, 900.0)], memory_kind="process memory")))
-        MixedPrecisionMonitor: 1 optimizer step, 0 skipped (0.0%); loss scale 2**10 throughout; peak process memory 900 MB; no non-finite parameters or gradients found.
-    """  # noqa: E501
-    records = history.steps
-    if not records:
-        return "MixedPrecisionMonitor: no optimizer step was taken."
-    skipped = history.skipped
-    batches = len({record.step for record in records})
-    head = plural(len(records), "optimizer step")
-    if batches != len(records):
-        head += f" in {plural(batches, 'batch', 'batches')}"
-    head += f", {len(skipped)} skipped ({100 * len(skipped) / len(records):.1f}%)"
-    if skipped:
-        distinct = sorted(set(skipped))
-        head += f" at {'step' if len(distinct) == 1 else 'steps'} {spans(distinct)}"
-    parts = [head]
-    scales = [r.scale for r in records if r.scale is not None]
-    if scales:
-        low, high = min(scales), max(scales)
-        if low == high:
-            parts.append(f"loss scale {_scale_text(low)} throughout")
-        else:
-            parts.append(f"loss scale {_scale_text(low)} to {_scale_text(high)}, last {_scale_text(scales[-1])}")
-    routine = [event for event in history.nonfinite_events if event[1] == _ROUTINE]
-    streak = _final_streak(records)
-    # An autopsy that found a cause no loss scale cures ("forward", "backward") makes the skips anything but routine.
-    incurable = [autopsy.step for autopsy in history.autopsies if autopsy.kind != "scale"]
-    if skipped and scales and incurable:
-        parts.append(
-            f"the skips include a cause loss scaling cannot cure (the autopsy of step {incurable[0]}), not only the "
-            "overflows a loss scaler catches"
-        )
-    elif skipped and scales and not streak:
-        what = "the skipped step was an fp16 overflow" if len(skipped) == 1 else "the skipped steps were fp16 overflows"
-        parts.append(f"{what} caught by the loss scaler, routine in dynamic loss scaling")
-    elif skipped and scales:
-        ending = "a skipped step (an fp16 overflow)" if streak == 1 else f"{streak} skipped steps in a row"
-        parts.append(f"the run ended on {ending}: overflows that lowering the loss scale did not cure")
-    elif skipped:
-        first = f", the first at step {routine[0][0]} in {_names(routine[0][2])}" if routine else ""
-        parts.append(f"skipped for non-finite gradients{first}")
-    memory = [r.memory_mb for r in records if r.memory_mb is not None]
-    if memory:
-        parts.append(f"peak {history.memory_kind} {max(memory):,.0f} MB")
-    parts.extend(history.notes)
-    parts.extend(_autopsy_and_headroom(history))
-    found = [event for event in history.nonfinite_events if event[1] != _ROUTINE]
-    if found:
-        step, kind, names = found[0]
-        parts.append(f"{plural(len(found), 'non-finite event')}, the first at step {step} in {kind} {_names(names)}")
-    else:
-        parts.append("no non-finite parameters found" if skipped else "no non-finite parameters or gradients found")
-    return "MixedPrecisionMonitor: " + "; ".join(parts) + "."
-
-
-def _autopsy_and_headroom(history: AmpHistory) -> list[str]:
-    """What the monitor's autopsies found and what its last headroom reading says, in the summary's words."""
-    parts = []
-    if history.autopsies:
-        first = history.autopsies[0]
-        more = len(history.autopsies) - 1
-        parts.append(
-            f"overflow autopsy: {first.message.rstrip('.')}"
-            + (f" ({more} more cause{'s' if more > 1 else ''} in monitor.autopsies)" if more else "")
-        )
-    if history.headroom:
-        step, reading = history.headroom[-1]
-        if reading:
-            parts.append(_headroom_sentence(step, reading))
-    return parts
-
-
-def _headroom_sentence(step: int, reading: dict[str, Any]) -> str:
-    # float16's and float8_e4m3fn's ranges are the ones activations can outgrow (bfloat16's is float32's).
-    tightest, layer = min(reading.items(), key=lambda item: item[1].headroom_bits["float16"])
-    bits = layer.headroom_bits
-    text = (
-        f"headroom at step {step}: the tightest layer is `{tightest or 'model'}` (activations up to "
-        f"{layer.act_absmax:.3g}: {bits['float16']:.1f} bits below float16's largest value, "
-        f"{bits['float8_e4m3fn']:.1f} below float8_e4m3fn's)"
-    )
-    flushed = [(name, entry) for name, entry in reading.items() if entry.grad_flushed_pct == entry.grad_flushed_pct]
-    if flushed:
-        name, entry = max(flushed, key=lambda item: item[1].grad_flushed_pct)
-        if entry.grad_flushed_pct > 0:
-            text += f"; {entry.grad_flushed_pct:.1f}% of `{name or 'model'}`'s gradients flush to zero at its scale"
-    return text
-
-
-def _final_streak(records: list[StepRecord]) -> int:
-    """How many batches at the end were all skipped (0 when the run ended on an applied step)."""
-    count = 0
-    for batch in reversed(_batches(records)):
-        if not batch.skipped:
-            break
-        count += 1
-    return count
-
-
-def _names(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 # ------------------------------------------------------------------------------------------------- matplotlib
@@ -247,7 +72,8 @@ def check_chart_path(path: str | os.PathLike[str], argument: str = "report_path"
     return checked
 
 
-def _figure(**options: Any) -> Any:
+def new_figure(**options: Any) -> Any:
+    """A bare matplotlib ``Figure`` with a constrained layout (matplotlib must be installed)."""
     require_matplotlib()
     # `import matplotlib.figure` also binds (and so needs) the package itself.
     import matplotlib.figure
@@ -255,7 +81,8 @@ def _figure(**options: Any) -> Any:
     return matplotlib.figure.Figure(layout="constrained", **options)
 
 
-def _save(figure: Any, path: str | os.PathLike[str]) -> Path:
+def save_png(figure: Any, path: str | os.PathLike[str]) -> Path:
+    """Write ``figure`` as a PNG exactly at ``path`` (missing folders are created); return the path."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(target, format="png", dpi=100)  # exactly `path`: no suffix added, whatever it ends in
@@ -263,40 +90,6 @@ def _save(figure: Any, path: str | os.PathLike[str]) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------- run chart
-@dataclass(frozen=True)
-class _Batch:
-    """The records of one global step merged: several optimizers stepping in one batch make one point."""
-
-    step: int
-    scale: float | None
-    skipped: bool
-    grad_norm: float | None
-    memory_mb: float | None
-    optimizers: int
-
-
-def _batches(records: Sequence[StepRecord]) -> list[_Batch]:
-    grouped: dict[int, list[StepRecord]] = {}
-    for record in records:
-        grouped.setdefault(record.step, []).append(record)
-    out = []
-    for step, group in grouped.items():
-        norms = [r.grad_norm for r in group if r.grad_norm is not None]
-        memory = [r.memory_mb for r in group if r.memory_mb is not None]
-        out.append(
-            _Batch(
-                step,
-                group[0].scale,  # the scale the batch started with: one scaler, updated once per batch
-                any(r.skipped for r in group),
-                # The global norm over every optimizer's gradients: sqrt of the sum of the squared norms.
-                math.sqrt(sum(n * n for n in norms)) if norms else None,
-                max(memory) if memory else None,
-                len(group),
-            )
-        )
-    return sorted(out, key=lambda batch: batch.step)
-
-
 def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
     """Draw the run into a PNG at ``path`` (exactly there; missing folders are created) and return the path.
 
@@ -314,7 +107,7 @@ def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
     float16's and float8_e4m3fn's largest values (red under 2 bits, where an overflow is near), and the percent of its
     gradient values that the half dtype flushes to zero or makes subnormal at the loss scale of the reading.
     """
-    return _save(_whole_figure(history), path)
+    return save_png(_whole_figure(history), path)
 
 
 def _whole_figure(history: AmpHistory) -> Any:
@@ -329,7 +122,7 @@ def _whole_figure(history: AmpHistory) -> Any:
         heights.append(0.28 * layers + 1.6)
     if autopsies:
         heights.append(0.6 + 0.18 * sum(len(_wrapped(a.message)) + 0.5 for a in autopsies[:_AUTOPSIES_SHOWN]))
-    figure = _figure(figsize=(9, sum(heights)))
+    figure = new_figure(figsize=(9, sum(heights)))
     parts = figure.subfigures(len(heights), 1, height_ratios=heights, squeeze=False)[:, 0]
     axes = _run_figure(history, parts[0])
     if autopsies and axes:
@@ -347,14 +140,14 @@ def _run_panels(history: AmpHistory) -> list[tuple[str, list[float | None], str]
 
 def _panels_and_notes(history: AmpHistory) -> tuple[list[tuple[str, list[float | None], str]], list[str]]:
     """The series worth a panel (label, one value per batch, kind) and, for the others, why not."""
-    batches = _batches(history.steps)
-    skipped_steps = [b.step for b in batches if b.skipped]
-    norm_label = "gradient norm" + (" (all optimizers)" if any(b.optimizers > 1 for b in batches) else "")
+    merged = batches(history.steps)
+    skipped_steps = [b.step for b in merged if b.skipped]
+    norm_label = "gradient norm" + (" (all optimizers)" if any(b.optimizers > 1 for b in merged) else "")
     candidates: list[tuple[str, list[float | None], str]] = [
-        ("loss scale", [b.scale for b in batches], "log2"),
-        ("skipped steps (total)", [float(n) for n in _cumulative([b.skipped for b in batches])], "count"),
-        (norm_label, [b.grad_norm for b in batches], "log10"),
-        (f"{history.memory_kind} (MB)", [b.memory_mb for b in batches], "zero"),
+        ("loss scale", [b.scale for b in merged], "log2"),
+        ("skipped steps (total)", [float(n) for n in _cumulative([b.skipped for b in merged])], "count"),
+        (norm_label, [b.grad_norm for b in merged], "log10"),
+        (f"{history.memory_kind} (MB)", [b.memory_mb for b in merged], "zero"),
     ]
     notes = []
     panels = []
@@ -371,17 +164,17 @@ def _panels_and_notes(history: AmpHistory) -> tuple[list[tuple[str, list[float |
 
 def _run_figure(history: AmpHistory, target: Any = None) -> Any:
     """The time-series panels, drawn on ``target`` (a subfigure) or on a figure of their own (returned)."""
-    batches = _batches(history.steps)
-    skipped_steps = [b.step for b in batches if b.skipped]
-    xs = [b.step for b in batches]
+    merged = batches(history.steps)
+    skipped_steps = [b.step for b in merged if b.skipped]
+    xs = [b.step for b in merged]
     panels, notes = _panels_and_notes(history)
-    figure = _figure(figsize=(9, 2.4 * max(1, len(panels)) + 0.9)) if target is None else target
-    if not batches:
+    figure = new_figure(figsize=(9, 2.4 * max(1, len(panels)) + 0.9)) if target is None else target
+    if not merged:
         figure.suptitle("lightning-amp-plus: no optimizer step was taken", fontsize=11)
         return figure if target is None else []
     title = f"lightning-amp-plus: {plural(len(history.steps), 'optimizer step')}"
-    if len(batches) != len(history.steps):
-        title += f" in {plural(len(batches), 'batch', 'batches')}"
+    if len(merged) != len(history.steps):
+        title += f" in {plural(len(merged), 'batch', 'batches')}"
     title += f", {len(skipped_steps)} skipped"
     figure.suptitle(title + ("\n" + "; ".join(notes) if notes else ""), fontsize=11)
     if not panels:
@@ -448,7 +241,7 @@ def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
     dtype = str(layers[0].dtype).removeprefix("torch.")
     scale = layers[0].scale
     figure.suptitle(
-        f"headroom at step {step} (an FP32 replay of the batch), {dtype} at loss scale {_scale_text(scale)}",
+        f"headroom at step {step} (an FP32 replay of the batch), {dtype} at loss scale {scale_text(scale)}",
         fontsize=10,
     )
     bits_axis, lost_axis = figure.subplots(1, 2, sharey=True, width_ratios=[3, 2])
@@ -577,7 +370,7 @@ def _coverage_note(
 
 def _last_text(value: float, kind: str) -> str:
     if kind == "log2":
-        return _scale_text(value)
+        return scale_text(value)
     if kind == "count":
         return f"{value:.0f}"
     return f"{value:,.1f}" if kind == "zero" else f"{value:.3g}"
@@ -597,7 +390,7 @@ def _power_of_two_axis(axis: Any, low: float, high: float) -> None:
     exponents = _tick_exponents(math.floor(math.log2(low)), math.ceil(math.log2(high)))
     axis.yaxis.set_major_locator(FixedLocator([2.0**e for e in exponents]))
     axis.yaxis.set_minor_locator(NullLocator())
-    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: _scale_text(value) if value > 0 else ""))
+    axis.yaxis.set_major_formatter(FuncFormatter(lambda value, _: scale_text(value) if value > 0 else ""))
     bottom, top = exponents[0], exponents[-1]
     margin = 0.15 * max(top - bottom, 2)  # in powers of two: the end ticks (and a flat line) stay clear of the frame
     axis.set_ylim(2.0 ** (bottom - margin), 2.0 ** (top + margin))
@@ -632,98 +425,3 @@ def _cumulative(flags: list[bool]) -> list[int]:
         total += int(flag)
         out.append(total)
     return out
-
-
-# ----------------------------------------------------------------------------------------------- compare chart
-class ComparisonRow(Protocol):
-    """What the comparison chart reads of one configuration (``amp-plus compare``'s ``ConfigResult``)."""
-
-    @property
-    def config(self) -> str: ...  # noqa: D102
-    @property
-    def step_ms(self) -> float: ...  # noqa: D102
-    @property
-    def ratio(self) -> float | None: ...  # noqa: D102
-    @property
-    def peak_memory_mb(self) -> float | None: ...  # noqa: D102
-    @property
-    def final_train_loss(self) -> float | None: ...  # noqa: D102
-    @property
-    def val_acc(self) -> float | None: ...  # noqa: D102
-
-
-def write_comparison_chart(rows: Sequence[ComparisonRow], path: str | os.PathLike[str], title: str) -> Path:
-    """Four labelled bar panels, one bar per configuration: step time, peak memory, final train loss, val accuracy.
-
-    Step time is relative to 32-true when every row has a ratio, in ms otherwise. A value not measured is drawn as
-    no bar, labelled ``-``.
-    """
-    return _save(_comparison_figure(rows, title), path)
-
-
-def _comparison_figure(rows: Sequence[ComparisonRow], title: str) -> Any:
-    names = [row.config for row in rows]
-    relative = all(row.ratio is not None for row in rows)
-    panels: list[tuple[str, list[float | None], str]] = [
-        (
-            "step time vs 32-true (lower is faster)" if relative else "step time, ms (median)",
-            [row.ratio if relative else row.step_ms for row in rows],
-            "{:.2f}x" if relative else "{:,.1f}",
-        ),
-        (
-            "peak memory, MB (on CPU: rise of the RSS)",
-            [row.peak_memory_mb for row in rows],
-            "{:,.1f}",
-        ),
-        ("final train loss", [row.final_train_loss for row in rows], "{:.3f}"),
-        ("validation accuracy", [row.val_acc for row in rows], "{:.3f}"),
-    ]
-    figure = _figure(figsize=(11, 1.2 + 0.45 * len(rows) * 2))
-    axes = figure.subplots(2, 2, sharey=True)
-    colors = [_family_color(name) for name in names]
-    positions = list(range(len(rows)))
-    for axis, (label, values, template) in zip(axes.flat, panels, strict=True):
-        heights = [v if v is not None and math.isfinite(v) else 0.0 for v in values]
-        axis.barh(positions, heights, color=colors)
-        texts = ["-" if v is None or not math.isfinite(v) else template.format(v) for v in values]
-        reference = 1.0 if relative and template.endswith("x") else 0.0  # the 1.0x line: labels start past it
-        for position, height, text in zip(positions, heights, texts, strict=True):
-            axis.annotate(text, (max(height, reference), position), xytext=(3, 0), textcoords="offset points",
-                          va="center", fontsize=8)  # fmt: skip
-        axis.set_title(label, fontsize=10)
-        # Accuracy on its whole 0-1 range; the others from zero to a little past the longest bar and its label.
-        axis.set_xlim(0, 1.12 if label == "validation accuracy" else max([*heights, reference, 1e-12]) * 1.25)
-        axis.grid(True, axis="x", alpha=0.3)
-        if reference:
-            axis.axvline(reference, color="black", linewidth=0.8)
-    axes[0, 0].set_yticks(positions, names)
-    axes[0, 0].invert_yaxis()  # the table's order, top to bottom
-    figure.suptitle(title, fontsize=11)
-    _family_legend(figure, names)
-    return figure
-
-
-_FAMILIES = {
-    "tab:gray": "fp32 (32-true)",
-    "tab:blue": "Lightning's built-in precision",
-    "tab:orange": "ours (MixedPrecisionPlugin)",
-    "tab:red": "ours + FP32 master weights",
-}
-"""What each bar colour stands for, in the legend's order."""
-
-
-def _family_color(name: str) -> str:
-    if name.startswith("lightning"):
-        return "tab:blue"
-    if name.startswith("ours"):
-        return "tab:red" if name.endswith("master") else "tab:orange"
-    return "tab:gray"
-
-
-def _family_legend(figure: Any, names: Sequence[str]) -> None:
-    """A legend of the colours the bars use, below the panels."""
-    from matplotlib.patches import Patch
-
-    used = {_family_color(name) for name in names}
-    handles = [Patch(color=color, label=label) for color, label in _FAMILIES.items() if color in used]
-    figure.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=9, frameon=False)

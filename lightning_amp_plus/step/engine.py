@@ -19,7 +19,7 @@ owns the framework's objects (autocast, the model, hooks, checkpoints' keys).
 
 Examples:
     >>> from torch import nn
-    >>> from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+    >>> from lightning_amp_plus.step.scaler import DynamicLossScaler
     >>> model = nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
     >>> engine = StepEngine(DynamicLossScaler(init_scale=2.0**8))
     >>> engine.scale_loss(model(torch.ones(1, 2)).sum()).backward()
@@ -38,10 +38,10 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_amp_plus.numerics import schedulers
-from lightning_amp_plus.numerics.compensated import Compensator, Footprint, Method, footprint
-from lightning_amp_plus.numerics.guard import GradientGuard
-from lightning_amp_plus.numerics.outcome import StepResult
+from lightning_amp_plus.step import schedulers
+from lightning_amp_plus.step.guard import GradientGuard
+from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.weights.compensated import Compensator, Footprint, Method, footprint
 
 __all__ = ["EngineReadings", "StepEngine"]
 

@@ -1,6 +1,6 @@
 """Where ``MixedPrecisionMonitor`` learns about each optimizer step: chosen once, when training starts.
 
-This package's plugins record every optimizer step's :class:`~lightning_amp_plus.numerics.outcome.StepResult` in their
+This package's plugins record every optimizer step's :class:`~lightning_amp_plus.step.outcome.StepResult` in their
 engine (:class:`EngineSteps`); under Lightning's own plugins the monitor sees each step in ``on_before_optimizer_step``
 and reads a ``GradScaler``'s skips off its scale (:class:`ScaleReadSteps`).
 """
@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import lightning.pytorch as pl
 
-from lightning_amp_plus.numerics.engine import StepEngine
-from lightning_amp_plus.numerics.outcome import StepResult
+from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.step.outcome import StepResult
 
 __all__ = ["EngineSteps", "ScaleReadSteps", "StepSource", "source_for"]
 
@@ -53,24 +53,30 @@ class EngineSteps:
         self._next = self.engine.steps_taken - (len(self.engine.recent_steps) if from_first else 0)
 
     def floor(self) -> float | None:
+        """The loss scale's floor, if known."""
         floor: float | None = getattr(self._plugin, "min_scale", None)
         return floor
 
     def skips_so_far(self) -> int:
+        """Skips counted before training started (restored from a checkpoint)."""
         return self.engine.skipped_steps - sum(result.skipped for result in self.engine.results_since(self._next))
 
     def begin_batch(self) -> None:
+        """A training batch starts."""
         pass
 
     def before_step(self) -> None:
+        """An optimizer step is about to run (``on_before_optimizer_step``)."""
         pass
 
     def take(self) -> list[StepResult]:
+        """The steps taken since the last call, in order."""
         steps = self.engine.results_since(self._next)
         self._next = self.engine.steps_taken  # consumed: never reported twice
         return steps
 
     def notes(self) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything."""
         footprints = self.engine.footprints()
         if not footprints:
             return []
@@ -92,19 +98,24 @@ class ScaleReadSteps:
         self._scales: list[float | None] = []
 
     def floor(self) -> float | None:
+        """The loss scale's floor, if known."""
         return None
 
     def skips_so_far(self) -> int:
+        """Skips counted before training started (restored from a checkpoint)."""
         return 0  # a GradScaler does not count them
 
     def begin_batch(self) -> None:
+        """A training batch starts."""
         self._scales.clear()
 
     def before_step(self) -> None:
+        """An optimizer step is about to run (``on_before_optimizer_step``)."""
         scaler = None if self._trainer is None else self._trainer.scaler
         self._scales.append(None if scaler is None else float(scaler.get_scale()))
 
     def take(self) -> list[StepResult]:
+        """The steps taken since the last call, in order."""
         scales, self._scales = self._scales, []
         scaler = None if self._trainer is None else self._trainer.scaler
         if scaler is None or not scales:
@@ -124,8 +135,10 @@ class ScaleReadSteps:
         ]
 
     def notes(self) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything."""
         return []
 
 
 def source_for(plugin: Any, trainer: pl.Trainer) -> StepSource:
+    """The source for ``plugin``: its engine's records if it has one, else what ``trainer``'s scaler shows."""
     return EngineSteps(plugin) if isinstance(getattr(plugin, "engine", None), StepEngine) else ScaleReadSteps(trainer)

@@ -19,12 +19,12 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_amp_plus.numerics.checks import check_bool, check_int
-from lightning_amp_plus.numerics.compensated import Method
-from lightning_amp_plus.numerics.engine import StepEngine
-from lightning_amp_plus.numerics.guard import GradientGuard, NonfiniteGuard
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-from lightning_amp_plus.numerics.sharding import Sharding, is_dtensor
+from lightning_amp_plus._checks import check_bool, check_int
+from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.step.guard import GradientGuard, NonfiniteGuard
+from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.sharding import Sharding, is_dtensor
+from lightning_amp_plus.weights.compensated import Method
 
 __all__ = [
     "COMPENSATIONS",

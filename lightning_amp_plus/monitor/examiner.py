@@ -19,12 +19,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import Metric
 
-from lightning_amp_plus._front_end import unwrapped
-from lightning_amp_plus.numerics.autopsy import Autopsy, run_autopsy
-from lightning_amp_plus.numerics.headroom import LayerHeadroom, measure_headroom
-from lightning_amp_plus.numerics.outcome import StepResult
-from lightning_amp_plus.numerics.replay import RngState
-from lightning_amp_plus.report import AmpHistory
+from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
+from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, measure_headroom
+from lightning_amp_plus.diagnostics.replay import RngState
+from lightning_amp_plus.monitor.history import AmpHistory
+from lightning_amp_plus.plugins.core import unwrapped
+from lightning_amp_plus.step.outcome import StepResult
 
 __all__ = ["Examiner", "Replay", "trainer_replay"]
 

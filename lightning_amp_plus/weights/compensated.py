@@ -36,8 +36,8 @@ from typing import Any, Literal, get_args
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.numerics.checks import check_int, show
-from lightning_amp_plus.numerics.sharding import local_view
+from lightning_amp_plus._checks import check_int, show
+from lightning_amp_plus.step.sharding import local_view
 
 __all__ = ["Compensator", "Footprint", "Method", "footprint", "round_stochastically"]
 
@@ -187,7 +187,7 @@ class Compensator:
 
     Hyperparameters are read from ``optimizer.param_groups`` at every step (LR schedulers work), and the states stay
     in ``optimizer.state`` in torch's format. The math of each bf16 parameter runs on its local values
-    (:func:`~lightning_amp_plus.numerics.sharding.local_view`), and every tensor made for it is made like it
+    (:func:`~lightning_amp_plus.step.sharding.local_view`), and every tensor made for it is made like it
     (``torch.zeros_like``): buffers and states follow a DTensor's sharding. Gradients are assumed finite (check them,
     and skip the step, before).
 

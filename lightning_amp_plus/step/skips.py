@@ -6,7 +6,7 @@ guard raises ``FloatingPointError`` with :meth:`SkipCounter.diagnosis`, which na
 nothing helps and what to try. Kept apart from the code that touches gradients, as the scale policy is.
 
 Examples:
-    >>> from lightning_amp_plus.numerics.outcome import StepRecord
+    >>> from lightning_amp_plus.step.outcome import StepRecord
     >>> counter = SkipCounter(limit=2)
     >>> counter.count(StepRecord(overflow=True), backs_off=False), counter.count(StepRecord(overflow=True), False)
     (False, True)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from lightning_amp_plus.numerics.outcome import StepRecord
+from lightning_amp_plus.step.outcome import StepRecord
 
 __all__ = ["SkipCounter", "Stall"]
 

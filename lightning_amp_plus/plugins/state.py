@@ -13,9 +13,9 @@ from typing import Any
 
 from lightning.fabric.utilities import rank_zero_warn
 
-from lightning_amp_plus.numerics.checks import COUNTER_MAX
-from lightning_amp_plus.numerics.engine import StepEngine
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus._checks import COUNTER_MAX
+from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
 

@@ -2,9 +2,9 @@
 
 ``FSDPStrategy`` accepts only ``FSDPPrecision`` plugins, and Lightning's ``FSDPPrecision`` refuses any other scaler,
 autocasts on CUDA only and raises on clipping by norm. This plugin is an ``FSDPPrecision`` that holds a
-:class:`~lightning_amp_plus.precision.MixedPrecisionPlugin` and hands it the step's hooks (composition: one
+:class:`~lightning_amp_plus.plugins.trainer.MixedPrecisionPlugin` and hands it the step's hooks (composition: one
 implementation of the Trainer's step): our scaler and skip semantics, the gradient norm of the flat shards from one
-weighted SUM over the world (see :mod:`lightning_amp_plus.numerics.sharding`), clipping by norm and by value, the
+weighted SUM over the world (see :mod:`lightning_amp_plus.step.sharding`), clipping by norm and by value, the
 monitor. ``FSDPPrecision`` keeps what it does right for the mixed precisions: FP32 inputs and initialisation, no
 conversion.
 """
@@ -24,12 +24,12 @@ from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus import _plugin_state
-from lightning_amp_plus._front_end import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
-from lightning_amp_plus.numerics.engine import EngineReadings
-from lightning_amp_plus.numerics.master import half_parameters, widen_to_fp32_
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
-from lightning_amp_plus.precision import MixedPrecisionPlugin, fitting
+from lightning_amp_plus.plugins import state as _plugin_state
+from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
+from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting
+from lightning_amp_plus.step.engine import EngineReadings
+from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 

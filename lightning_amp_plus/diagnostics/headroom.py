@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_amp_plus.numerics.checks import check_real, show
-from lightning_amp_plus.numerics.formats import format_of, headroom_bits
-from lightning_amp_plus.numerics.replay import AutocastProbe, RngState, device_type, floating_tensors, untouched
+from lightning_amp_plus._checks import check_real, show
+from lightning_amp_plus.diagnostics.formats import format_of, headroom_bits
+from lightning_amp_plus.diagnostics.replay import AutocastProbe, RngState, device_type, floating_tensors, untouched
 
 __all__ = ["LayerHeadroom", "measure_headroom"]
 

@@ -4,7 +4,7 @@ Kept apart from the code that touches gradients (as Megatron-LM's ``DynamicGradS
 tested on its own. It runs on the host whenever the step's overflow flag is known there (the unscale path reads it
 back to decide the skip, so deciding the next scale there costs nothing); the device copy of the scale is then written
 only when the scale changes. On the fused-optimizer path the flag stays on the device, and
-:mod:`lightning_amp_plus.numerics.device_policy` runs the same rules there; the host replays them later from the flags.
+:mod:`lightning_amp_plus.step.device_policy` runs the same rules there; the host replays them later from the flags.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from lightning_amp_plus.numerics.float32 import f32
+from lightning_amp_plus.step.float32 import f32
 
 __all__ = ["ScalePolicy"]
 

@@ -1,6 +1,6 @@
 """``DynamicLossScaler``: dynamic loss scaling written from scratch, usable with or without Lightning.
 
-A :class:`~lightning_amp_plus.numerics.guard.GradientGuard` (check once, skip on inf/NaN, count, record) that also
+A :class:`~lightning_amp_plus.step.guard.GradientGuard` (check once, skip on inf/NaN, count, record) that also
 scales the loss and moves the scale: the scale policy is :mod:`~.policy` on the host and :mod:`~.device_policy` on the
 device (the fused path), the passes over gradients are :mod:`~.grads`, the skip limit :mod:`~.skips`. This module gives
 them ``torch.amp.GradScaler``'s API.
@@ -17,14 +17,14 @@ import torch
 from torch import Tensor, nn  # noqa: F401 (nn: the docstring examples run in this module)
 from torch.optim import Optimizer
 
-from lightning_amp_plus.numerics.checks import TRACKER_MAX, is_int, read_count, read_number, real, require, show
-from lightning_amp_plus.numerics.device_policy import DevicePolicy
-from lightning_amp_plus.numerics.float32 import f32
-from lightning_amp_plus.numerics.guard import GradientGuard
-from lightning_amp_plus.numerics.outcome import StepRecord, StepResult
-from lightning_amp_plus.numerics.pending import PendingReads, UpdateMark
-from lightning_amp_plus.numerics.policy import ScalePolicy
-from lightning_amp_plus.numerics.skips import Stall
+from lightning_amp_plus._checks import TRACKER_MAX, is_int, read_count, read_number, real, require, show
+from lightning_amp_plus.step.device_policy import DevicePolicy
+from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.guard import GradientGuard
+from lightning_amp_plus.step.outcome import StepRecord, StepResult
+from lightning_amp_plus.step.pending import PendingReads, UpdateMark
+from lightning_amp_plus.step.policy import ScalePolicy
+from lightning_amp_plus.step.skips import Stall
 
 __all__ = ["DynamicLossScaler"]
 
@@ -65,7 +65,7 @@ class DynamicLossScaler(GradientGuard):
       (50 + 24 = 74 with the defaults), whatever the scale, the hysteresis or a loaded state.
     * Sparse gradients, float64 gradients and (unlike GradScaler) fp16 gradients are unscaled and checked.
 
-    **Two paths** (see :mod:`~lightning_amp_plus.numerics.guard`). An optimizer with PyTorch's fused protocol
+    **Two paths** (see :mod:`~lightning_amp_plus.step.guard`). An optimizer with PyTorch's fused protocol
     (``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)``) stepped without a prior :meth:`unscale_` takes the *fused
     path*: the scale and the overflow flag go to the optimizer's kernel, and the scale policy advances on the device
     too: no host sync in the step. The flags are read back later, together (when the skip limit could be reached, or

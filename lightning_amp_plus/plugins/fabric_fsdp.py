@@ -19,10 +19,10 @@ from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus._front_end import DEFAULT_SKIPS, check_fsdp_precision
-from lightning_amp_plus.fabric.precision import MixedPrecisionPlugin
-from lightning_amp_plus.numerics.engine import EngineReadings
-from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, check_fsdp_precision
+from lightning_amp_plus.plugins.fabric import MixedPrecisionPlugin
+from lightning_amp_plus.step.engine import EngineReadings
+from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 

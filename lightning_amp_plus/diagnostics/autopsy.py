@@ -1,7 +1,7 @@
 """The overflow autopsy: replay a skipped step's batch with hooks, find where its first inf/NaN came from, and why.
 
 :func:`run_autopsy` is called after a step was skipped for non-finite gradients (nothing runs on healthy steps but the
-:class:`~lightning_amp_plus.numerics.replay.RngState` capture at the start of each batch). It replays the batch from
+:class:`~lightning_amp_plus.diagnostics.replay.RngState` capture at the start of each batch). It replays the batch from
 that RNG state, with the parameters as they are (a skipped step left them unchanged), and classifies the failure:
 
 * ``"forward"``: an output of ``module`` is non-finite though its inputs are finite. No loss scale can help: keep the
@@ -18,7 +18,7 @@ finite values is never blamed, nor is a module whose -inf output a later module 
 Replays: one with hooks at the scale used; for gradients non-finite there, one with hooks at ``min_scale``; then either
 a binary search for ``safe_scale`` over the powers of two in between (5 hookless replays from 2**24 down to 1) or one
 replay in FP32. A forward culprit costs one more, partial replay (its forward rerun in FP32). Nothing is left behind:
-see :func:`~lightning_amp_plus.numerics.replay.untouched`.
+see :func:`~lightning_amp_plus.diagnostics.replay.untouched`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_amp_plus.numerics.checks import check_int, check_real, show
-from lightning_amp_plus.numerics.formats import Format, format_of
-from lightning_amp_plus.numerics.replay import (
+from lightning_amp_plus._checks import check_int, check_real, show
+from lightning_amp_plus.diagnostics.formats import Format, format_of
+from lightning_amp_plus.diagnostics.replay import (
     AutocastProbe,
     Context,
     RngState,

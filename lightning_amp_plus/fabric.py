@@ -5,7 +5,7 @@
 plugins.
 """
 
-from lightning_amp_plus.fabric.fsdp import FSDPMixedPrecisionPlugin
-from lightning_amp_plus.fabric.precision import MixedPrecisionPlugin
+from lightning_amp_plus.plugins.fabric import MixedPrecisionPlugin
+from lightning_amp_plus.plugins.fabric_fsdp import FSDPMixedPrecisionPlugin
 
 __all__ = ["FSDPMixedPrecisionPlugin", "MixedPrecisionPlugin"]

@@ -65,7 +65,7 @@ class StepResult:
         optimizer: the optimizer's position among the front end's optimizers (``None`` from a bare scaler).
 
     Examples:
-        >>> from lightning_amp_plus.numerics.scaler import DynamicLossScaler
+        >>> from lightning_amp_plus.step.scaler import DynamicLossScaler
         >>> import torch
         >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.SGD([w], lr=0.1, fused=True)
         >>> scaler = DynamicLossScaler(init_scale=8.0)

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.numerics.float32 import f32
-from lightning_amp_plus.numerics.sharding import Sharding, local_view, local_views
+from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.sharding import Sharding, local_view, local_views
 
 __all__ = ["clip_by_norm_", "global_norm", "measure", "nonfinite_names", "sharded_norm", "unscale_"]
 
@@ -119,7 +119,7 @@ def global_norm(grads: Sequence[Tensor], out_device: torch.device | None = None)
 def sharded_norm(grads: Sequence[Tensor], sharding: Sharding, device: torch.device) -> Tensor:
     """The norm of gradients spread over ranks: this rank's local norms, weighted by ``1 / holders``, summed over ranks.
 
-    One SUM all-reduce (see :mod:`~lightning_amp_plus.numerics.sharding`): an inf or NaN on any rank makes every rank's
+    One SUM all-reduce (see :mod:`~lightning_amp_plus.step.sharding`): an inf or NaN on any rank makes every rank's
     result non-finite.
 
     Examples:

@@ -9,7 +9,7 @@ kernels behind it.
 
 Examples:
     >>> import torch
-    >>> from lightning_amp_plus.numerics.outcome import StepRecord
+    >>> from lightning_amp_plus.step.outcome import StepRecord
     >>> pending = PendingReads()
     >>> record = StepRecord()
     >>> pending.add_step(record, flag=torch.tensor(1.0), norm=torch.tensor(float("inf")))
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.numerics.outcome import StepRecord
+from lightning_amp_plus.step.outcome import StepRecord
 
 __all__ = ["PENDING_MAX", "PendingReads", "UpdateMark"]
 

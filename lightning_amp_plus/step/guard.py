@@ -3,7 +3,7 @@
 Two guards share one interface and this code (as Megatron-LM's constant and dynamic grad scalers do):
 
 * :class:`NonfiniteGuard` checks only (bf16, whose range needs no loss scaling): ``scale()`` returns the loss as it is.
-* :class:`~lightning_amp_plus.numerics.scaler.DynamicLossScaler` scales the loss too (fp16) and moves the scale.
+* :class:`~lightning_amp_plus.step.scaler.DynamicLossScaler` scales the loss too (fp16) and moves the scale.
 
 One optimizer's gradients go through three stages per iteration (:class:`~.outcome.Stage`): ``READY`` after backward;
 ``UNSCALED`` once :meth:`GradientGuard.unscale_` has divided them by the scale, checked them and measured their global
@@ -34,13 +34,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_amp_plus.numerics.checks import is_int, read_count, real, require
-from lightning_amp_plus.numerics.float32 import f32
-from lightning_amp_plus.numerics.grads import clip_by_norm_, global_norm, measure, sharded_norm, unscale_
-from lightning_amp_plus.numerics.outcome import Stage, StepRecord, StepResult
-from lightning_amp_plus.numerics.pending import PENDING_MAX, PendingReads, UpdateMark
-from lightning_amp_plus.numerics.sharding import Sharding, local_views, max_across_ranks
-from lightning_amp_plus.numerics.skips import SkipCounter, Stall
+from lightning_amp_plus._checks import is_int, read_count, real, require
+from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.grads import clip_by_norm_, global_norm, measure, sharded_norm, unscale_
+from lightning_amp_plus.step.outcome import Stage, StepRecord, StepResult
+from lightning_amp_plus.step.pending import PENDING_MAX, PendingReads, UpdateMark
+from lightning_amp_plus.step.sharding import Sharding, local_views, max_across_ranks
+from lightning_amp_plus.step.skips import SkipCounter, Stall
 
 __all__ = ["GradientGuard", "NonfiniteGuard"]
 
@@ -83,7 +83,7 @@ class GradientGuard:
         self.sharding: Sharding | None = None
         """Set when the gradients are sharded (FSDP, FSDP2; the plugins set it): each rank measures its shards and one
         SUM all-reduce of the weighted squared norms gives the global norm and the flag on every rank (see
-        :mod:`~lightning_amp_plus.numerics.sharding`). It replaces the MAX reduction of :attr:`process_group`."""
+        :mod:`~lightning_amp_plus.step.sharding`). It replaces the MAX reduction of :attr:`process_group`."""
 
     # ---------------------------------------------------------------------------------------- what each guard does
     def scale(self, outputs: Any) -> Any:

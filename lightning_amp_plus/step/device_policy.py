@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_amp_plus.numerics.policy import ScalePolicy
+from lightning_amp_plus.step.policy import ScalePolicy
 
 __all__ = ["DevicePolicy"]
 
