@@ -16,7 +16,7 @@ from pathlib import Path
 import processes
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "lightning_amp_plus"
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_amp_plus"
 ALL_MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 TORCH_ONLY = ("step/", "weights/", "diagnostics/")
 NUMERICS = [m for m in ALL_MODULES if m.startswith(TORCH_ONLY)]

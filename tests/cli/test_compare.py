@@ -166,7 +166,7 @@ def test_compare_and_the_master_weight_benchmark_read_one_table_of_set_ups() -> 
     import importlib.util
     import sys
 
-    bench = Path(__file__).resolve().parent.parent / "benchmarks"
+    bench = Path(__file__).resolve().parents[2] / "benchmarks"
     sys.path.insert(0, str(bench))
     try:
         spec = importlib.util.spec_from_file_location("bench_master_under_test", bench / "bench_master.py")
