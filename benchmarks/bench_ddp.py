@@ -112,7 +112,8 @@ class BucketCounter(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         assert isinstance(trainer.strategy.model, DistributedDataParallel)
-        if getattr(trainer.precision_plugin, "master_weights", False):
+        settings = getattr(trainer.precision_plugin, "settings", None)  # ours; Lightning's plugin has none
+        if settings is not None and settings.master_weights:
             dist.all_reduce = self._counting  # type: ignore[assignment]
         else:
             trainer.strategy.model.register_comm_hook(self.buckets, _counting_allreduce)

@@ -134,11 +134,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loss_value = float(loss.detach())
         metrics = monitor.observe(plugin, model=model, step=step)  # this step's amp/... metrics
         fabric.log_dict({"loss": loss_value, "lr": lr, **metrics}, step=step)
-        if plugin.last_step_skipped:
-            names = plugin.last_overflow_params
+        last = plugin.recent_steps[-1]  # what this optimizer step did
+        if last.skipped:
+            names = last.overflow_params
             fabric.print(f"step {step}: skipped, non-finite gradients in {len(names)} tensors: {names[:2]}")
         elif (step + 1) % 50 == 0:
-            fabric.print(f"step {step}: loss {loss_value:.3f}, gradient norm {plugin.last_grad_norm:.3f}")
+            fabric.print(f"step {step}: loss {loss_value:.3f}, gradient norm {last.grad_norm:.3f}")
         if state["step_count"] == args.steps // 2 and args.resume is None:
             fabric.save(args.out / "checkpoint.ckpt", state)
 

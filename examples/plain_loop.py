@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 1)).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = DynamicLossScaler(growth_interval=50)
-    scaler.set_parameter_names(model)
+    scaler.engine.name_parameters(model)  # names for the diagnostics
     x = torch.randn(256, 16, device=args.device)
     y = x[:, :4].sum(1, keepdim=True)
     for step in range(args.steps):
@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         grad_norm = scaler.clip_grad_norm_(opt, max_norm=1.0)  # reuses the norm the unscale measured
         scaler.step(opt)
         scaler.update()
-        if scaler.last_step_skipped:
-            print(f"step {step}: skipped, non-finite gradients in {scaler.last_overflow_params}")
+        result = scaler.result(opt)  # what this step did
+        if result is not None and result.skipped:
+            print(f"step {step}: skipped, non-finite gradients in {result.overflow_params}")
         elif step % 50 == 0:
             print(f"step {step}: loss {loss.item():.4f}, grad norm {grad_norm:.3f}, scale {scaler.get_scale():g}")
     final = nn.functional.mse_loss(model(x).float(), y).item()

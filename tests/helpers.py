@@ -134,7 +134,7 @@ class TinyRegressor(pl.LightningModule):
 
 
 class ScaleRecorder(pl.Callback):
-    """Records ``trainer.scaler.get_scale()`` after every training batch, and our plugin's ``last_grad_norm``."""
+    """Records ``trainer.scaler.get_scale()`` after every training batch, and our plugin's last step's gradient norm."""
 
     def __init__(self) -> None:
         self.scales: list[float] = []
@@ -142,7 +142,15 @@ class ScaleRecorder(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.scales.append(trainer.scaler.get_scale())
-        self.grad_norms.append(getattr(trainer.precision_plugin, "last_grad_norm", None))
+        recent = getattr(trainer.precision_plugin, "recent_steps", None)
+        self.grad_norms.append(recent[-1].grad_norm if recent else None)
+
+
+def skip_bound(scaler: Any) -> int | None:
+    """The documented most steps in a row a run can skip before it stops: the skip limit plus the backoffs from the
+    ceiling to the floor (``None`` without a limit)."""
+    limit = scaler.engine.max_consecutive_skips
+    return None if limit is None else limit + scaler.engine.loss_scale.policy.backoffs_to_floor()
 
 
 class StateAroundSteps(pl.Callback):

@@ -295,8 +295,8 @@ def run_config(spec: RunSpec) -> ConfigResult:
 
 def _bytes_per_param(trainer: pl.Trainer) -> float | None:
     """Weights + compensation + optimizer state per parameter, counted from the tensors (one optimizer)."""
-    engine = getattr(trainer.precision_plugin, "engine", None)
-    footprints = [] if engine is None else engine.footprints()
+    compensators = getattr(getattr(trainer.precision_plugin, "engine", None), "compensators", None)
+    footprints = [] if compensators is None else compensators.footprints()
     if footprints:
         per_parameter: float = footprints[0].per_parameter
         return per_parameter

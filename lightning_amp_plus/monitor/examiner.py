@@ -23,7 +23,7 @@ from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, measure_headroom
 from lightning_amp_plus.diagnostics.replay import RngState
 from lightning_amp_plus.monitor.history import AmpHistory
-from lightning_amp_plus.plugins.core import unwrapped
+from lightning_amp_plus.plugins.core import half_dtype, unwrapped
 from lightning_amp_plus.step.outcome import StepResult
 
 __all__ = ["Examiner", "Replay", "trainer_replay"]
@@ -129,9 +129,8 @@ class Replay:
     def of_fabric(cls, plugin: Any, model: nn.Module, run: Callable[[], Tensor]) -> Replay:
         """A Fabric loop's batch: ``run`` recomputes its loss with ``model`` (Fabric's wrapper is fine)."""
         module = unwrapped(model)  # the user's module: names as the user wrote them
-        min_scale = plugin.min_scale if getattr(plugin, "min_scale", None) is not None else 1.0
         suspended = getattr(plugin, "autocast_suspended", nullcontext)
-        return cls(module, run, _autocast_of(plugin), plugin.half_dtype, min_scale, suspended)
+        return cls(module, run, _autocast_of(plugin), half_dtype(plugin.precision), _min_scale(plugin), suspended)
 
     def autopsy(self, rng: RngState, scale: float, step: int) -> Autopsy | None:
         """Where the batch's first inf/NaN started (``None`` if the replay is finite)."""
@@ -159,8 +158,13 @@ def trainer_replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: An
             raise RuntimeError("The replayed training_step returned no loss.")
         return loss
 
-    min_scale = getattr(plugin, "min_scale", None)
-    return Replay(pl_module, run, _autocast_of(plugin), plugin.half_dtype, 1.0 if min_scale is None else min_scale)
+    return Replay(pl_module, run, _autocast_of(plugin), half_dtype(plugin.precision), _min_scale(plugin))
+
+
+def _min_scale(plugin: Any) -> float:
+    """The loss scale's floor (1.0 without a loss scale: a replay then scales nothing)."""
+    loss_scale = plugin.engine.loss_scale
+    return 1.0 if loss_scale is None else float(loss_scale.policy.min_scale)
 
 
 def _autocast_of(plugin: Any) -> Callable[[], AbstractContextManager[Any]]:

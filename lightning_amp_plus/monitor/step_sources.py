@@ -48,18 +48,19 @@ class EngineSteps:
     def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
         self._plugin = plugin
         self.engine: StepEngine = plugin.engine
-        self.guarded = self.engine.guard is not None
+        self.guarded = self.engine.check
         # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
-        self._next = self.engine.steps_taken - (len(self.engine.recent_steps) if from_first else 0)
+        recent = self.engine.recent_steps
+        self._next = 0 if not recent else (recent[0].index if from_first else recent[-1].index + 1) or 0
 
     def floor(self) -> float | None:
         """The loss scale's floor, if known."""
-        floor: float | None = getattr(self._plugin, "min_scale", None)
-        return floor
+        scale = self.engine.loss_scale
+        return None if scale is None else scale.policy.min_scale
 
     def skips_so_far(self) -> int:
         """Skips counted before training started (restored from a checkpoint)."""
-        return self.engine.skipped_steps - sum(result.skipped for result in self.engine.results_since(self._next))
+        return self.engine.skipped_steps - sum(result.skipped for result in self._since())
 
     def begin_batch(self) -> None:
         """A training batch starts."""
@@ -71,20 +72,26 @@ class EngineSteps:
 
     def take(self) -> list[StepResult]:
         """The steps taken since the last call, in order."""
-        steps = self.engine.results_since(self._next)
-        self._next = self.engine.steps_taken  # consumed: never reported twice
+        steps = self._since()
+        if steps:
+            self._next = (steps[-1].index or 0) + 1  # consumed: never reported twice
         return steps
+
+    def _since(self) -> list[StepResult]:
+        """The engine's results numbered ``_next`` and later, oldest first."""
+        return [result for result in self.engine.recent_steps if (result.index or 0) >= self._next]
 
     def notes(self) -> list[str]:
         """What the summary should say about how the steps were taken (compensated weights), if anything."""
-        footprints = self.engine.footprints()
-        if not footprints:
+        compensators = self.engine.compensators
+        footprints = [] if compensators is None else compensators.footprints()
+        if compensators is None or not footprints:
             return []
         per_parameter = sum(f.weights + f.compensation + f.states for f in footprints) / max(
             sum(f.parameters for f in footprints), 1
         )
         return [
-            f"bf16 weights compensated ({self.engine.compensation}): {per_parameter:.1f} bytes per parameter of "
+            f"bf16 weights compensated ({compensators.method}): {per_parameter:.1f} bytes per parameter of "
             "weights, compensation and optimizer state"
         ]
 

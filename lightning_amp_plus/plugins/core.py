@@ -1,12 +1,14 @@
-"""What every front end (the Trainer's and Fabric's plugins) shares: its options' checks, its guard, its ranks.
+"""What every front end (the Trainer's and Fabric's plugins) shares: its settings, its engine, its readings, its ranks.
 
 No framework hooks here: the checks a plugin makes of its arguments (each error names the plugin, the argument, the
-value and the fix), the guard a precision gets, and how the guard learns where the gradients live across ranks.
+value and the fix), the step engine a precision gets, what every plugin shows of it (:class:`Readings`), and how the
+engine learns where the gradients live across ranks.
 """
 
 from __future__ import annotations
 
 import sys
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,19 +23,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus._checks import check_bool, check_int
 from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.guard import GradientGuard, NonfiniteGuard
+from lightning_amp_plus.step.outcome import StepResult
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.step.sharding import Sharding, is_dtensor
 from lightning_amp_plus.weights.compensated import Method
 
 __all__ = [
     "COMPENSATIONS",
-    "DEFAULT",
     "DEFAULT_SKIPS",
     "PRECISIONS",
-    "PluginReadings",
+    "Readings",
     "Settings",
-    "check_bool",
     "check_compensation",
     "check_device",
     "check_device_supports",
@@ -43,14 +43,13 @@ __all__ = [
     "check_skip_limit",
     "checked_settings",
     "default_device",
+    "engine_for",
     "fsdp2_policy",
-    "guard_for",
+    "half_dtype",
     "plugin_str",
     "refuse_deepspeed",
     "refuse_for_half_weights",
-    "refuse_removed_options",
     "refuse_sharded_master_weights",
-    "scaler_for",
     "set_up_ranks",
     "sharding_of",
     "unwrapped",
@@ -62,19 +61,45 @@ PRECISIONS = ("16-mixed", "bf16-mixed", "bf16-true")
 COMPENSATIONS = ("auto", "kahan", "stochastic", None)
 # The default of `max_consecutive_skips`. With a scaler passed too, any other value must equal the scaler's own limit.
 DEFAULT_SKIPS = 50
-# Asks `scaler_for` for a default scaler (None, given to a setter, is refused for fp16).
-DEFAULT: Any = object()
 
 
-class PluginReadings:
-    """What the Trainer's and Fabric's plugins read and set alike: the scaler, the half dtype, FSDP2's policy.
+@dataclass(frozen=True)
+class Settings:
+    """A plugin's options, checked: the Trainer's and Fabric's plugins take the same ones (see their docstrings).
 
-    A mixin over the plugin's ``engine`` (its guard is the scaler under fp16), ``precision`` and ``_skip_limit``.
+    Attributes:
+        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        device: the autocast device type given, or ``None`` to take the model's (``plugin.device`` is the one in use).
+        skip_nonfinite: whether bf16 steps with non-finite gradients are skipped (fp16 always checks).
+        hold_schedulers_on_skip: whether LR schedulers are held while their optimizer's steps are skipped.
+        max_consecutive_skips: stuck skips in a row that stop training (``None``: never).
+        master_weights: whether a half-built model is widened to FP32 masters.
+        keep_fp32: the module types whose forward runs in FP32.
+        compensation: the compensation of bf16 weights (``None`` for the mixed precisions and plain bf16-true).
+        rounding_seed: the seed of stochastic rounding.
+    """
+
+    precision: str
+    device: str | None
+    skip_nonfinite: bool
+    hold_schedulers_on_skip: bool
+    max_consecutive_skips: int | None
+    master_weights: bool
+    keep_fp32: tuple[type[nn.Module], ...]
+    compensation: Method | None
+    rounding_seed: int
+
+
+class Readings:
+    """What every plugin shows of its step engine: the scaler, the step results, the skip count, FSDP2's policy.
+
+    A mixin over the plugin's ``engine`` and ``settings`` (the FSDP plugins' inner plugin shares its engine, so the
+    four plugins read the same facts the same way). Reading never changes anything.
     """
 
     engine: StepEngine
-    precision: Any  # a precision name; each framework's Precision declares it with its own Literal type
-    _skip_limit: int | None
+    settings: Settings
+    _scaler: DynamicLossScaler | None
 
     def _name(self) -> str:
         """The class name the messages give (the Fabric FSDP plugin's inner plugin speaks as the FSDP plugin)."""
@@ -82,27 +107,34 @@ class PluginReadings:
 
     @property
     def scaler(self) -> DynamicLossScaler | None:
-        """The loss scaler (``None`` for bf16). Assigning one makes it scale, unscale, check and update alike."""
-        guard = self.engine.guard
-        return guard if isinstance(guard, DynamicLossScaler) else None
+        """The loss scaler (``None`` for bf16): ``torch.amp.GradScaler``'s API over this plugin's engine.
+
+        Assigning another :class:`~lightning_amp_plus.DynamicLossScaler` makes it scale, check and update from then
+        on; the plugin's optimizers, names, ranks, held schedulers and recent results carry over to it.
+        """
+        return self._scaler
 
     @scaler.setter
     def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        if scaler is None and self.precision != "16-mixed":
+        if scaler is None and self.settings.precision != "16-mixed":
             return  # bf16 has no scaler to replace (its check stays)
-        where = f"`{self._name()}.scaler = {scaler!r}`"
-        limit = self._skip_limit
-        self.engine.guard = scaler_for(self.precision, scaler, limit, limit != DEFAULT_SKIPS, where)
+        checked = _checked_scaler(self.settings, scaler, f"`{self._name()}.scaler = {scaler!r}`")
+        checked.engine.take_over(self.engine)
+        self._use_scaler(checked)
+
+    def _use_scaler(self, scaler: DynamicLossScaler) -> None:
+        """Step with ``scaler``'s engine from now on (an FSDP plugin hands it to the plugin it holds)."""
+        self._scaler, self.engine = scaler, scaler.engine
 
     @property
-    def min_scale(self) -> float | None:
-        """The scaler's floor (``None`` without a scaler)."""
-        return None if self.scaler is None else self.scaler.min_scale
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite gradients since the start (0 when nothing is checked)."""
+        return self.engine.skipped_steps
 
     @property
-    def half_dtype(self) -> torch.dtype:
-        """The half dtype: fp16 or bf16 (autocast's, or the weights' for bf16-true)."""
-        return torch.float16 if self.precision == "16-mixed" else torch.bfloat16
+    def recent_steps(self) -> deque[StepResult]:
+        """The last optimizer steps' results, newest last (:class:`~lightning_amp_plus.step.outcome.StepResult`)."""
+        return self.engine.recent_steps
 
     @property
     def mp_policy(self) -> Any:
@@ -113,37 +145,21 @@ class PluginReadings:
         masters the optimizer steps, the forward and backward run on all-gathered half copies, and the gradients are
         reduce-scattered in FP32.
         """
-        return fsdp2_policy(self.half_dtype)
+        return fsdp2_policy(half_dtype(self.settings.precision))
 
 
-@dataclass(frozen=True)
-class Settings:
-    """A plugin's settings, checked: the Trainer's and Fabric's plugins take the same ones.
-
-    Attributes:
-        device: the autocast device type, or ``None`` to take the model's.
-        keep_fp32: the module types whose forward runs in FP32.
-        compensation: the compensation of bf16 weights (``None`` for the mixed precisions and plain bf16-true).
-        skip_limit: ``max_consecutive_skips`` as an int, or ``None`` (never stop).
-        guard: the guard the engine starts with (the fp16 scaler, the bf16 check, or none).
-        rounding_seed: the seed of stochastic rounding.
-    """
-
-    device: str | None
-    keep_fp32: tuple[type[nn.Module], ...]
-    compensation: Method | None
-    skip_limit: int | None
-    guard: GradientGuard | None
-    rounding_seed: int
+def half_dtype(precision: str) -> torch.dtype:
+    """The half dtype of a precision: fp16 for ``"16-mixed"``, else bf16 (autocast's, or the weights' for bf16-true)."""
+    return torch.float16 if precision == "16-mixed" else torch.bfloat16
 
 
 def checked_settings(
     name: str,
     precision: str,
     device: object,
-    scaler: object,
     *,
     skip_nonfinite: object,
+    hold_schedulers_on_skip: object = True,
     max_consecutive_skips: object,
     master_weights: object,
     keep_fp32: object,
@@ -154,6 +170,7 @@ def checked_settings(
     check_precision(name, precision)
     checked_device = check_device(name, device)
     check_bool(name, "skip_nonfinite", skip_nonfinite)
+    check_bool(name, "hold_schedulers_on_skip", hold_schedulers_on_skip)
     check_bool(name, "master_weights", master_weights)
     check_skip_limit(name, max_consecutive_skips)
     modules = check_module_types(name, "keep_fp32", keep_fp32)
@@ -161,20 +178,61 @@ def checked_settings(
     if precision == "bf16-true":
         refuse_for_half_weights(name, bool(master_weights), modules)
     limit = None if max_consecutive_skips is None else int(max_consecutive_skips)  # type: ignore[call-overload]
-    guard = guard_for(name, precision, scaler, bool(skip_nonfinite), limit)
     seed = check_int(name, "rounding_seed", rounding_seed, 0)
-    return Settings(checked_device, modules, method, limit, guard, seed)
+    return Settings(
+        precision,
+        checked_device,
+        bool(skip_nonfinite),
+        bool(hold_schedulers_on_skip),
+        limit,
+        bool(master_weights),
+        modules,
+        method,
+        seed,
+    )
 
 
-def guard_for(
-    name: str, precision: str, scaler: object, skip_nonfinite: bool, limit: int | None
-) -> GradientGuard | None:
-    """The guard a plugin starts with: the fp16 scaler (given or default), the bf16 check, or none."""
-    if scaler is not None or precision == "16-mixed":
-        where = f"`{name}(precision={precision!r}, scaler={scaler!r})`"
-        given = DEFAULT if scaler is None else scaler
-        return scaler_for(precision, given, limit, limit != DEFAULT_SKIPS, where)
-    return NonfiniteGuard(limit) if skip_nonfinite else None
+def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngine, DynamicLossScaler | None]:
+    """The engine a plugin starts with, and its scaler: under fp16 the scaler's own (given or default) engine.
+
+    Raises:
+        ValueError: a scaler with bf16, or a skip limit that differs from the given scaler's.
+        TypeError: a scaler that is not a ``DynamicLossScaler``.
+    """
+    if scaler is not None or settings.precision == "16-mixed":
+        checked = _checked_scaler(settings, scaler, f"`{name}(precision={settings.precision!r}, scaler={scaler!r})`")
+        return checked.engine, checked
+    engine = StepEngine(
+        None,
+        check=settings.skip_nonfinite,
+        max_consecutive_skips=settings.max_consecutive_skips,
+        compensation=settings.compensation,
+        seed=settings.rounding_seed,
+    )
+    return engine, None
+
+
+def _checked_scaler(settings: Settings, scaler: object, where: str) -> DynamicLossScaler:
+    """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``None``."""
+    if settings.precision != "16-mixed":
+        raise ValueError(
+            f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
+        )
+    limit = settings.max_consecutive_skips
+    if scaler is None:
+        return DynamicLossScaler(max_consecutive_skips=limit)
+    if not isinstance(scaler, DynamicLossScaler):
+        raise TypeError(
+            f"{where}: fp16 needs a lightning_amp_plus.DynamicLossScaler. To migrate from torch.amp.GradScaler, "
+            "load its state: `DynamicLossScaler().load_state_dict(grad_scaler.state_dict())`."
+        )
+    if limit != DEFAULT_SKIPS and scaler.engine.max_consecutive_skips != limit:
+        raise ValueError(
+            f"{where}: the scaler's max_consecutive_skips={scaler.engine.max_consecutive_skips!r} differs from "
+            f"MixedPrecisionPlugin(max_consecutive_skips={limit!r}): set the limit in one place, e.g. "
+            f"DynamicLossScaler(..., max_consecutive_skips={limit!r})."
+        )
+    return scaler
 
 
 def check_precision(name: str, precision: object) -> None:
@@ -273,38 +331,16 @@ def check_module_types(name: str, option: str, value: object) -> tuple[type[nn.M
     return tuple(value)
 
 
-def scaler_for(precision: str, scaler: object, limit: int | None, limit_given: bool, where: str) -> GradientGuard:
-    """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``_DEFAULT``."""
-    if precision != "16-mixed":
-        raise ValueError(
-            f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
-        )
-    if scaler is DEFAULT:
-        return DynamicLossScaler(max_consecutive_skips=limit)
-    if not isinstance(scaler, DynamicLossScaler):
-        raise TypeError(
-            f"{where}: fp16 needs a lightning_amp_plus.DynamicLossScaler. To migrate from torch.amp.GradScaler, "
-            "load its state: `DynamicLossScaler().load_state_dict(grad_scaler.state_dict())`."
-        )
-    if limit_given and scaler.max_consecutive_skips != limit:
-        raise ValueError(
-            f"{where}: the scaler's max_consecutive_skips={scaler.max_consecutive_skips!r} differs from "
-            f"MixedPrecisionPlugin(max_consecutive_skips={limit!r}): set the limit in one place, e.g. "
-            f"DynamicLossScaler(..., max_consecutive_skips={limit!r})."
-        )
-    return scaler
-
-
-def set_up_ranks(guard: GradientGuard, params: Sequence[Tensor], wrapper: nn.Module | None = None) -> None:
+def set_up_ranks(engine: StepEngine, params: Sequence[Tensor], wrapper: nn.Module | None = None) -> None:
     """One skip decision for all ranks: a sharded sum under FSDP/FSDP2, a MAX over the world under DDP."""
     sharding = sharding_of(params, wrapper)
     if sharding is not None:
         # Each rank holds a shard: one weighted SUM over the world gives the norm and the skip decision.
-        guard.sharding = sharding
-    elif world_size() > 1 and guard.process_group is None:
+        engine.sharding = sharding
+    elif world_size() > 1 and engine.process_group is None:
         # An overflow seen on one rank only (a rank-local fault, unused parameters) must skip the step everywhere,
         # or the replicas drift apart.
-        guard.process_group = torch.distributed.group.WORLD
+        engine.process_group = torch.distributed.group.WORLD
 
 
 def refuse_sharded_master_weights(name: str, module: nn.Module) -> None:
@@ -401,22 +437,6 @@ def refuse_deepspeed(name: str, model: object, framework: str) -> None:
         raise TypeError(
             f"{name} cannot run under DeepSpeed: its engine does its own mixed precision and loss scaling. Use "
             f"{framework}(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed') without this plugin."
-        )
-
-
-def refuse_removed_options(name: str, half_modules: object, fp32_grad_accumulation: object) -> None:
-    """Refuse the options of the earlier master-weights design (half copies in the parameters), naming the fix."""
-    if half_modules is not None:
-        raise ValueError(
-            f"`{name}(half_modules={half_modules!r})` was removed: master weights now compute through "
-            "autocast's per-use casts, which find every layer autocast runs in half (transformers' Conv1D "
-            "included) and keep the FP32 weights visible to your hooks. Drop half_modules; to keep modules in FP32, "
-            "use keep_fp32=(...)."
-        )
-    if fp32_grad_accumulation is not True:
-        raise ValueError(
-            f"`{name}(fp32_grad_accumulation={fp32_grad_accumulation!r})` was removed: gradients are always "
-            "accumulated in FP32 now, as under Lightning's *-mixed. Drop fp32_grad_accumulation."
         )
 
 

@@ -43,16 +43,17 @@ from typing_extensions import override
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
-    PluginReadings,
+    Readings,
     check_device_supports,
     checked_settings,
     default_device,
+    engine_for,
+    half_dtype,
     refuse_deepspeed,
     refuse_sharded_master_weights,
     set_up_ranks,
     user_names,
 )
-from lightning_amp_plus.step.engine import EngineReadings, StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
@@ -60,7 +61,7 @@ from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 __all__ = ["MixedPrecisionPlugin"]
 
 
-class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
+class MixedPrecisionPlugin(Readings, Precision):
     """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
 
     ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
@@ -93,8 +94,12 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         scaler: the loss scaler (``None`` for bf16); after ``optimizer.step()`` its ``get_scale()`` is the scale that
             step's gradients carried. Save it with your checkpoint by putting the plugin in the state:
             ``fabric.save(path, {"model": model, "optimizer": optimizer, "amp": plugin})``.
-        engine: the step engine; ``skipped_steps``, ``last_step_skipped``, ``last_grad_norm``,
-            ``last_overflow_params`` and ``recent_steps`` read it.
+        settings: the options above, checked (:class:`~lightning_amp_plus.plugins.core.Settings`).
+        device: the autocast device type in use (the one given, or the model's, learnt at its first forward).
+        engine: the :class:`~lightning_amp_plus.step.engine.StepEngine` doing the step's numerics.
+        recent_steps: the last optimizer steps' results, newest last (``recent_steps[-1].skipped``, ``.grad_norm``,
+            ``.scale``, ``.overflow_params``).
+        skipped_steps: the optimizer steps skipped since the start.
 
     Examples:
         >>> import lightning as L
@@ -102,7 +107,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         >>> fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
         >>> model, optimizer = fabric.setup(torch.nn.Linear(4, 1), torch.optim.SGD(torch.nn.Linear(4, 1).parameters()))
         >>> fabric.backward(model(torch.ones(2, 4)).sum()); optimizer.step()
-        >>> plugin.skipped_steps, plugin.last_step_skipped
+        >>> plugin.skipped_steps, plugin.recent_steps[-1].skipped
         (0, False)
     """
 
@@ -119,11 +124,10 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
     ) -> None:
-        settings = checked_settings(
+        self.settings = checked_settings(
             self._name(),
             precision,
             device,
-            scaler,
             skip_nonfinite=skip_nonfinite,
             max_consecutive_skips=max_consecutive_skips,
             master_weights=master_weights,
@@ -132,15 +136,9 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             rounding_seed=rounding_seed,
         )
         self.precision = precision
-        self.device = settings.device
-        self.master_weights = master_weights
-        self.keep_fp32 = settings.keep_fp32
-        self.compensation = settings.compensation
-        self._skip_limit = settings.skip_limit
-        self.engine = StepEngine(
-            settings.guard, hold_schedulers=False, compensation=settings.compensation, seed=settings.rounding_seed
-        )
-        self._desired_input_dtype = self.half_dtype
+        self.device = self.settings.device
+        self.engine, self._scaler = engine_for(self._name(), self.settings, scaler)
+        self._desired_input_dtype = half_dtype(precision)
         self._modules: list[weakref.ref[nn.Module]] = []
         self._fp32_hooks: list[RemovableHandle] = []
         self._ranks_known = False
@@ -161,14 +159,14 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
             module = module.to(dtype=torch.bfloat16)  # as Fabric's bf16-true: parameters and buffers
-        if self.master_weights:
+        if self.settings.master_weights:
             refuse_sharded_master_weights(self._name(), module)
             widen_to_fp32_(half_parameters(module))  # FP32 masters, before Fabric moves and wraps the model
         # Fabric converts before it moves the module to its device and wraps it (DDP, FSDP): the device and the
         # parameters' names are read from the module later, once it is where it will train.
         self._modules.append(weakref.ref(module))
         if self.device is not None:
-            self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, self.device))
+            self._fp32_hooks.extend(compute_in_fp32(module, self.settings.keep_fp32, self.device))
         return module
 
     def _autocast_device(self) -> str:
@@ -179,7 +177,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
                 return default_device()  # nothing set up yet (`fabric.autocast()` before `fabric.setup`)
             self.device = found
             for module in self._live_modules():
-                self._fp32_hooks.extend(compute_in_fp32(module, self.keep_fp32, found))
+                self._fp32_hooks.extend(compute_in_fp32(module, self.settings.keep_fp32, found))
         return self.device
 
     def _live_modules(self) -> list[nn.Module]:
@@ -189,16 +187,14 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         """What Fabric never tells a plugin at set-up, learnt at the first step: the ranks, the names, the device."""
         if id(optimizer) not in self._optimizers_seen:
             self._optimizers_seen.add(id(optimizer))
-            if isinstance(optimizer, LBFGS) and self.engine.guard is not None:
+            if isinstance(optimizer, LBFGS) and self.engine.check:
                 raise TypeError(
                     f"{self._name()}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
                     "closure inside `step()`, where gradients cannot be checked or unscaled first. Use another "
                     f"optimizer, or {self._name()}('bf16-mixed', skip_nonfinite=False)."
                 )
-            if self.compensation is not None:
-                self.engine.compensator(optimizer)  # refuses an optimizer it does not implement, before its step
-        guard = self.engine.guard
-        if self._ranks_known or guard is None:
+            self.engine.track(optimizer)  # a compensation refuses an optimizer it does not implement, before its step
+        if self._ranks_known or not self.engine.check:
             return
         self._ranks_known = True
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -206,8 +202,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             self.device = params[0].device.type  # no module was set up with Fabric: the optimizer's parameters
         check_device_supports(self._name(), self._autocast_device(), self.precision)
         # The names as the user's model gives them, read now that Fabric has wrapped it (FSDP replaces parameters).
-        guard.set_parameter_names([pair for module in self._live_modules() for pair in user_names(module)])
-        set_up_ranks(guard, params)
+        self.engine.name_parameters([pair for module in self._live_modules() for pair in user_names(module)])
+        set_up_ranks(self.engine, params)
 
     # ---------------------------------------------------------------------------------------------- autocast
     @override
@@ -218,7 +214,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         """The precision's forward context: autocast (``*-mixed``) or bf16 default tensors (``bf16-true``)."""
         if self.precision == "bf16-true":
             return _DtypeContextManager(torch.bfloat16)  # as Fabric's bf16-true: tensors made in forward are bf16
-        return torch.autocast(self._autocast_device(), dtype=self.half_dtype)
+        return torch.autocast(self._autocast_device(), dtype=half_dtype(self.precision))
 
     @contextmanager
     def autocast_suspended(self) -> Iterator[None]:
@@ -313,14 +309,11 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     @override
     def state_dict(self) -> dict[str, Any]:
         self._end_iteration()  # the scale's move the next backward would make, made now, so that it is saved
-        return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
+        return _plugin_state.save_state(self.engine, self.settings)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        settings: dict[str, object] = {"precision": self.precision, "master_weights": self.master_weights}
-        if self.compensation is not None:
-            settings["compensation"] = self.compensation
-        _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=settings)
+        _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=self.settings)
 
     def __getstate__(self) -> dict[str, Any]:
         # Modules and their hooks belong to this process (Fabric pickles the plugin to start ddp_spawn's workers);

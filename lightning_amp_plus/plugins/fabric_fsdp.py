@@ -19,15 +19,14 @@ from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, check_fsdp_precision
+from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, Readings, check_fsdp_precision, half_dtype
 from lightning_amp_plus.plugins.fabric import MixedPrecisionPlugin
-from lightning_amp_plus.step.engine import EngineReadings
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
 
-class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
+class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  # `scaler`: ours
     """Mixed precision under Fabric's ``FSDPStrategy`` with our scaler: ``L.Fabric(strategy="fsdp", plugins=[this])``.
 
     Args:
@@ -70,35 +69,24 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
             max_consecutive_skips=max_consecutive_skips,
             master_weights=master_weights,  # widens a half-built model before FSDP wraps it; FSDP makes the copies
         )
-        self.engine = self._step.engine
         self.precision = precision
-        self.master_weights = master_weights
+        self.settings, self.engine, self._scaler = self._step.settings, self._step.engine, self._step._scaler
         # FSDPPrecision's own hooks (inputs, tensor and module initialisation) read this: FP32 in the mixed modes.
         self._desired_input_dtype = torch.float32
 
     def __repr__(self) -> str:
         return f"lightning_amp_plus.fabric.FSDPMixedPrecisionPlugin({self.precision!r})"
 
-    @property  # type: ignore[override]
-    def scaler(self) -> DynamicLossScaler | None:
-        """The loss scaler (``None`` for bf16)."""
-        return self._step.scaler
-
-    @scaler.setter
-    def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        self._step.scaler = scaler
-
-    @property
-    def min_scale(self) -> float | None:
-        """The scaler's floor (``None`` without a scaler)."""
-        return self._step.min_scale
+    def _use_scaler(self, scaler: DynamicLossScaler) -> None:
+        self._step._use_scaler(scaler)
+        self._scaler, self.engine = scaler, scaler.engine
 
     @property
     def mixed_precision_config(self) -> FSDPMixedPrecision | None:  # type: ignore[override]
         """What ``FSDPStrategy`` wraps the model with: with master weights, half parameters and FP32 reduction."""
-        if not self.master_weights:
+        if not self.settings.master_weights:
             return None
-        return FSDPMixedPrecision(param_dtype=self._step.half_dtype, reduce_dtype=torch.float32)
+        return FSDPMixedPrecision(param_dtype=half_dtype(self.precision), reduce_dtype=torch.float32)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

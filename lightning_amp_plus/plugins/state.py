@@ -8,27 +8,31 @@ too. Every refusal names the key and the way out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_amp_plus._checks import COUNTER_MAX
+from lightning_amp_plus.plugins.core import Settings
 from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.scaler import DynamicLossScaler
 
 __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
 
 FORMAT = "lightning_amp_plus/1"
 
 
-def save_state(engine: StepEngine, precision: str, master_weights: bool, compensation: str | None) -> dict[str, Any]:
+def save_state(engine: StepEngine, settings: Settings) -> dict[str, Any]:
     """The plugin's state: ``{}`` when nothing is checked nor compensated (nothing to restore)."""
-    if engine.guard is None and compensation is None:
+    if not engine.check and settings.compensation is None:
         return {}
-    state = {"format": FORMAT, "precision": precision, "master_weights": master_weights, **engine.state_dict()}
-    if compensation is not None:
-        state["compensation_method"] = compensation
+    state = {
+        "format": FORMAT,
+        "precision": settings.precision,
+        "master_weights": settings.master_weights,
+        **engine.state_dict(),
+    }
+    if settings.compensation is not None:
+        state["compensation_method"] = settings.compensation
     return state
 
 
@@ -37,14 +41,14 @@ def is_grad_scaler_state(state: dict[str, Any]) -> bool:
     return "format" not in state and "scale" in state
 
 
-def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mapping[str, object]) -> dict[str, Any]:
+def load_state(state: object, engine: StepEngine, *, owner: str, settings: Settings) -> dict[str, Any]:
     """Check a saved plugin state against this run's ``settings`` and load it into ``engine``.
 
     Args:
         state: what the checkpoint holds under the plugin's key.
         engine: the engine to restore.
         owner: the plugin's class name (its checkpoint key), for the messages.
-        settings: this run's settings that must equal the saved ones (``precision``, ``master_weights``...).
+        settings: this run's settings; the precision, master weights and compensation must equal the saved ones.
 
     Returns:
         The state, checked (for the plugin's own extra keys).
@@ -56,7 +60,10 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mappi
         return state
     if state.get("format") != FORMAT or "scaler" not in state or "precision" not in state:
         raise ValueError(_unreadable(state, owner))
-    for key, mine in settings.items():
+    compared: dict[str, object] = {"precision": settings.precision, "master_weights": settings.master_weights}
+    if settings.compensation is not None:
+        compared["compensation"] = settings.compensation
+    for key, mine in compared.items():
         _check_saved_setting(state, "compensation_method" if key == "compensation" else key, mine, owner, key)
     held = _saved_count(state, "held_scheduler_steps", owner)
     compensation = state.get("compensation")
@@ -71,7 +78,7 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Mappi
 
 def load_grad_scaler_state(state: object, engine: StepEngine, key: str) -> None:
     """Load a ``GradScaler`` state found under ``key`` into the engine's scaler (ignored, with a warning, for bf16)."""
-    if not isinstance(engine.guard, DynamicLossScaler):
+    if engine.loss_scale is None:
         rank_zero_warn(f"The checkpoint holds an fp16 GradScaler state under {key!r}; bf16 uses no scaler: ignored.")
         return
     if not isinstance(state, dict):
@@ -79,7 +86,7 @@ def load_grad_scaler_state(state: object, engine: StepEngine, key: str) -> None:
             f"The checkpoint's {key!r} entry is a {type(state).__name__}, not a GradScaler state dict. Remove "
             "that key from the checkpoint to start with a fresh scaler."
         )
-    engine.guard.load_state_dict(state)
+    engine.load_scaler_state_dict(state)
 
 
 def _check_saved_setting(state: dict[str, Any], key: str, mine: object, owner: str, argument: str) -> None:

@@ -3,12 +3,12 @@
 A ``lightning.pytorch.plugins.precision.Precision`` that adapts the Trainer's hooks to
 :class:`~lightning_amp_plus.step.engine.StepEngine` (the numerics of a step: scale, unscale-check-measure, clip,
 step or skip, update). Following one optimizer step: :meth:`MixedPrecisionPlugin.optimizer_step` here, then
-``StepEngine.prepare`` / ``StepEngine.step`` (``numerics/engine.py``), then ``GradientGuard.unscale_`` /
-``GradientGuard.step`` (``numerics/guard.py``), which call the passes of ``numerics/grads.py``.
+``StepEngine.prepare`` / ``StepEngine.step`` / ``StepEngine.end_batch`` (``step/engine.py``), which call the passes of
+``step/grads.py`` and the loss scale of ``step/policy.py``; ``docs/design.md`` shows the trace.
 
-State owned here: the options, the autocast device, whether a hook reads gradients before the step, the hooks that keep
-``keep_fp32`` modules in FP32, and whether the batch's scale update is due (manual optimization). The engine owns the
-rest.
+State owned here: the settings, the autocast device, whether a hook reads gradients before the step, the hooks that
+keep ``keep_fp32`` modules in FP32, and whether the batch's scale update is due (manual optimization). The engine owns
+the rest.
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -34,20 +33,20 @@ from typing_extensions import override
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
-    PluginReadings,
-    check_bool,
+    Readings,
     check_device_supports,
     checked_settings,
     default_device,
+    engine_for,
+    half_dtype,
     plugin_str,
     refuse_deepspeed,
-    refuse_removed_options,
     refuse_sharded_master_weights,
     set_up_ranks,
     unwrapped,
     user_names,
 )
-from lightning_amp_plus.step.engine import EngineReadings, StepEngine
+from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
@@ -58,7 +57,7 @@ __all__ = ["MixedPrecisionPlugin", "skipped_steps"]
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
-class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
+class MixedPrecisionPlugin(Readings, Precision):
     """Mixed-precision training with autocast, a from-scratch dynamic loss scaler, FP32 master weights, or bf16 weights.
 
     ``"16-mixed"`` runs forward under fp16 autocast and scales the loss with a :class:`DynamicLossScaler`;
@@ -98,10 +97,13 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
 
     Attributes:
+        settings: the options above, checked (:class:`~lightning_amp_plus.plugins.core.Settings`).
+        device: the autocast device type in use (the one given, or the model's, learnt at set-up).
         scaler: the :class:`DynamicLossScaler` (``None`` for bf16); ``trainer.scaler`` returns it. Assigning another
             scaler replaces it for every part of the step.
         engine: the :class:`~lightning_amp_plus.step.engine.StepEngine` doing the step's numerics.
         recent_steps: the last optimizer steps' results, newest last (up to 1024 kept).
+        skipped_steps: the optimizer steps skipped since the start.
 
     Examples:
         >>> from lightning import Trainer
@@ -109,7 +111,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         >>> trainer = Trainer(plugins=[plugin], accelerator="cpu", logger=False, enable_progress_bar=False)
         >>> trainer.precision, trainer.scaler
         ('bf16-mixed', None)
-        >>> MixedPrecisionPlugin("16-mixed", master_weights=True).master_weights
+        >>> MixedPrecisionPlugin("16-mixed", master_weights=True).settings.master_weights
         True
     """
 
@@ -126,18 +128,14 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
-        half_modules: object = None,
-        fp32_grad_accumulation: object = True,
     ) -> None:
         name = type(self).__name__
-        check_bool(name, "hold_schedulers_on_skip", hold_schedulers_on_skip)
-        refuse_removed_options(name, half_modules, fp32_grad_accumulation)
-        settings = checked_settings(
+        self.settings = checked_settings(
             name,
             precision,
             device,
-            scaler,
             skip_nonfinite=skip_nonfinite,
+            hold_schedulers_on_skip=hold_schedulers_on_skip,
             max_consecutive_skips=max_consecutive_skips,
             master_weights=master_weights,
             keep_fp32=keep_fp32,
@@ -145,18 +143,10 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             rounding_seed=rounding_seed,
         )
         self.precision = precision
-        self.device = settings.device
-        self.master_weights = master_weights
-        self.keep_fp32 = settings.keep_fp32
-        self.compensation = settings.compensation
-        self.hold_schedulers_on_skip = hold_schedulers_on_skip
-        self._skip_limit = settings.skip_limit
-        self.engine = StepEngine(
-            settings.guard,
-            hold_schedulers=hold_schedulers_on_skip,
-            compensation=settings.compensation,
-            seed=settings.rounding_seed,
-        )
+        self.device = self.settings.device
+        self.engine, self._scaler = engine_for(name, self.settings, scaler)
+        self._half_weights = precision == "bf16-true"
+        self._half_dtype = half_dtype(precision)
         self._hooks_read_gradients = True
         self._fp32_hooks: list[RemovableHandle] = []
         self._update_pending = False
@@ -165,10 +155,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
 
     def __str__(self) -> str:
         return plugin_str(self)  # names the fix where pytorch_lightning's Trainer refuses the plugin
-
-    @property
-    def _half_weights(self) -> bool:
-        return self.precision == "bf16-true"
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
@@ -182,7 +168,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             )
         if self._half_weights:
             return module.to(dtype=torch.bfloat16)  # as Lightning's bf16-true: parameters and buffers
-        if self.master_weights and fitting(module):
+        if self.settings.master_weights and fitting(module):
             refuse_sharded_master_weights(type(self).__name__, module)
             # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
             widen_to_fp32_(half_parameters(module))
@@ -211,22 +197,22 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             self._refuse_lbfgs(optimizer)
         module = unwrapped(model)
         self._resolve_device(model)
-        self.engine.set_optimizers([_inner(optimizer) for optimizer in optimizers])
+        self.engine.set_optimizers(optimizers)
         self._hooks_read_gradients = _hooks_may_read_gradients(module)
         self._keep_modules_fp32(module)
-        if self.master_weights and isinstance(model, DistributedDataParallel) and fitting(module):
+        if self.settings.master_weights and isinstance(model, DistributedDataParallel) and fitting(module):
             self._compress_all_reduce(model)
-        guard = self.engine.guard
-        if guard is not None:
-            set_up_ranks(guard, list(module.parameters()), model)
-            guard.set_parameter_names(user_names(module))
-        for config in lr_schedulers:
-            self.engine.hold(getattr(config, "scheduler", config))
+        if self.engine.check:
+            set_up_ranks(self.engine, list(module.parameters()), model)
+            self.engine.name_parameters(user_names(module))
+        if self.settings.hold_schedulers_on_skip:
+            for config in lr_schedulers:
+                self.engine.hold(getattr(config, "scheduler", config))
         return super().connect(model, optimizers, lr_schedulers)
 
     def _keep_modules_fp32(self, module: nn.Module) -> None:
         self._remove_fp32_hooks()
-        self._fp32_hooks = compute_in_fp32(module, self.keep_fp32, self.device or default_device())
+        self._fp32_hooks = compute_in_fp32(module, self.settings.keep_fp32, self.device or default_device())
 
     def _remove_fp32_hooks(self) -> None:
         for handle in self._fp32_hooks:
@@ -235,7 +221,7 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
 
     def _compress_all_reduce(self, model: DistributedDataParallel) -> None:
         # Master weights under DDP: the gradients travel in the half dtype (half the bytes), as DDP's hook compresses.
-        fp16 = self.half_dtype == torch.float16
+        fp16 = half_dtype(self.precision) == torch.float16
         hook = default_hooks.fp16_compress_hook if fp16 else default_hooks.bf16_compress_hook
         try:
             model.register_comm_hook(None, hook)  # None: the default process group
@@ -260,7 +246,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         self._device_checked = True
 
     def _refuse_lbfgs(self, optimizer: Any) -> None:
-        if isinstance(_inner(optimizer), LBFGS) and self.engine.guard is not None:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        if isinstance(inner, LBFGS) and self.engine.check:
             raise TypeError(
                 f"{type(self).__name__}({self.precision!r}) cannot drive torch.optim.LBFGS: it re-evaluates the "
                 "closure inside `step()`, where gradients cannot be checked or unscaled first. Use another "
@@ -268,16 +255,16 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             )
 
     # ---------------------------------------------------------------------------------------------- autocast
-    def autocast_context_manager(self) -> torch.autocast:
-        """The ``torch.autocast`` context for this precision and device."""
-        # cache_enabled=False as Lightning's own plugin: the cast cache breaks under activation checkpointing.
-        return torch.autocast(self.device or default_device(), dtype=self.half_dtype, cache_enabled=False)
-
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        # bf16-true: tensors made during forward default to bf16, as under Lightning's bf16-true.
-        with _DtypeContextManager(torch.bfloat16) if self._half_weights else self.autocast_context_manager():
+        # bf16-true: tensors made during forward default to bf16, as under Lightning's bf16-true. Mixed: autocast,
+        # with cache_enabled=False as Lightning's own plugin (the cast cache breaks under activation checkpointing).
+        if self._half_weights:
+            with _DtypeContextManager(torch.bfloat16):
+                yield
+            return
+        with torch.autocast(self.device or default_device(), dtype=self._half_dtype, cache_enabled=False):
             yield
 
     @override
@@ -305,9 +292,8 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if self.engine.guard is None:
+        if not self.engine.check:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        self._refuse_lbfgs(optimizer)
         closure_result = closure()  # forward under autocast, backward of the scaled loss
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: no backward ran. Hooks run (as Lightning's); nothing is stepped.
@@ -328,22 +314,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
 
     # ------------------------------------------------------------------------------------------------ clipping
     @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: int | float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        # `LightningModule.clip_gradients` passes the wrapper, `optimizer_step` the optimizer inside it: unwrap, so
-        # that both reach the guard's record of the same optimizer and the gradients are unscaled only once.
-        optimizer = _inner(optimizer)
-        if clip_val <= 0:
-            return  # Lightning asks at every step; nothing to clip, so the gradients may stay as they are (fused path)
-        # Under manual optimization users clip before opt.step(): prepare first (a no-op if already done).
-        self.engine.prepare(optimizer)
-        super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
-
-    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         self.engine.clip_by_norm(optimizer, float(clip_val))
 
@@ -355,14 +325,11 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
     @override
     def state_dict(self) -> dict[str, Any]:
         # The weights themselves are in checkpoint["state_dict"]: the model holds them (FP32, or bf16 for bf16-true).
-        return _plugin_state.save_state(self.engine, self.precision, self.master_weights, self.compensation)
+        return _plugin_state.save_state(self.engine, self.settings)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        settings: dict[str, object] = {"precision": self.precision, "master_weights": self.master_weights}
-        if self.compensation is not None:
-            settings["compensation"] = self.compensation
-        _plugin_state.load_state(state_dict, self.engine, owner=self._checkpoint_key, settings=settings)
+        _plugin_state.load_state(state_dict, self.engine, owner=self._checkpoint_key, settings=self.settings)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -372,11 +339,6 @@ class MixedPrecisionPlugin(EngineReadings, Precision, PluginReadings):
             if key in checkpoint:
                 _plugin_state.load_grad_scaler_state(checkpoint[key], self.engine, key)
                 return
-
-
-def _inner(optimizer: Any) -> Any:
-    """The optimizer inside Lightning's ``LightningOptimizer`` wrapper (or the optimizer itself)."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def _hooks_may_read_gradients(module: nn.Module) -> bool:

@@ -25,16 +25,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus.plugins import state as _plugin_state
-from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
+from lightning_amp_plus.plugins.core import (
+    DEFAULT_SKIPS,
+    Readings,
+    check_fsdp_precision,
+    half_dtype,
+    plugin_str,
+    unwrapped,
+)
 from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting
-from lightning_amp_plus.step.engine import EngineReadings
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
 
-class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
+class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  # `scaler`: ours
     """Mixed precision under ``FSDPStrategy`` with our loss scaler: ``Trainer(strategy="fsdp", plugins=[this])``.
 
     The options are ``MixedPrecisionPlugin``'s that apply under FSDP. ``master_weights=True`` maps to FSDP's own
@@ -80,41 +86,20 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
             skip_nonfinite=skip_nonfinite,
             hold_schedulers_on_skip=hold_schedulers_on_skip,
             max_consecutive_skips=max_consecutive_skips,
+            master_weights=master_weights,  # the setting only: FSDP makes the half copies (mixed_precision_config)
         )
         self._step._checkpoint_key = type(self).__qualname__
-        self.engine = self._step.engine
         self.precision = precision
-        self.master_weights = master_weights
+        self.settings, self.engine, self._scaler = self._step.settings, self._step.engine, self._step._scaler
         # FSDPPrecision's own hooks (inputs, tensor and module initialisation) read this: FP32 in the mixed modes.
         self._desired_input_dtype = torch.float32
 
     def __str__(self) -> str:
         return plugin_str(self)  # names the fix where pytorch_lightning's Trainer refuses the plugin
 
-    # ------------------------------------------------------------------------------------------------ settings
-    @property  # type: ignore[override]
-    def scaler(self) -> DynamicLossScaler | None:
-        """The loss scaler (``None`` for bf16); assigning one replaces it for every part of the step."""
-        return self._step.scaler
-
-    @scaler.setter
-    def scaler(self, scaler: DynamicLossScaler | None) -> None:
-        self._step.scaler = scaler
-
-    @property
-    def device(self) -> str | None:
-        """The autocast device type."""
-        return self._step.device
-
-    @property
-    def min_scale(self) -> float | None:
-        """The scaler's floor (``None`` without a scaler)."""
-        return self._step.min_scale
-
-    @property
-    def half_dtype(self) -> torch.dtype:
-        """The autocast dtype (and, with ``master_weights``, FSDP's compute dtype): fp16 or bf16."""
-        return self._step.half_dtype
+    def _use_scaler(self, scaler: DynamicLossScaler) -> None:
+        self._step._use_scaler(scaler)
+        self._scaler, self.engine = scaler, scaler.engine
 
     @property
     def mixed_precision_config(self) -> FSDPMixedPrecision | None:  # type: ignore[override]
@@ -123,16 +108,16 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         Without master weights none (``FSDPStrategy`` accepts that: FP32 shards under autocast). Buffers keep their
         dtype (normalisation statistics stay FP32).
         """
-        if not self.master_weights:
+        if not self.settings.master_weights:
             return None
-        return FSDPMixedPrecision(param_dtype=self.half_dtype, reduce_dtype=torch.float32)
+        return FSDPMixedPrecision(param_dtype=half_dtype(self.precision), reduce_dtype=torch.float32)
 
     # --------------------------------------------------------------------------------------- the step's hooks
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         # FSDP keeps the shards in the parameters' dtype and, with master weights, makes the half copies itself. The
         # masters are FP32: parameters built in a half dtype are widened now, before FSDP flattens them into shards.
-        if self.master_weights and fitting(module):
+        if self.settings.master_weights and fitting(module):
             widen_to_fp32_(half_parameters(module))
         return module
 
@@ -140,7 +125,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
     ) -> tuple[nn.Module, list[Optimizer], list[Any]]:
-        if self.master_weights:
+        if self.settings.master_weights:
             self._refuse_a_second_policy(model)
         return self._step.connect(model, optimizers, lr_schedulers)
 
@@ -171,7 +156,7 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM and self.engine.guard is None:
+        if clip_val > 0 and gradient_clip_algorithm == GradClipAlgorithmType.NORM and not self.engine.check:
             # FSDPPrecision's own raises: a sharded norm needs the plugin's measuring pass.
             raise ValueError(
                 "FSDPMixedPrecisionPlugin('bf16-mixed', skip_nonfinite=False) cannot clip by norm: the global norm of "

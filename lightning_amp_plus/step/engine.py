@@ -1,350 +1,567 @@
-"""``StepEngine``: the numerics of one optimizer step, held by every front end (Trainer, FSDP, Fabric plugins).
+"""``StepEngine``: the numerics of one optimizer step, held by every front end and by ``DynamicLossScaler``.
 
 A front end adapts its framework's hooks; the engine does the step, in the order of the recipe:
 
-1. :meth:`StepEngine.scale_loss`: multiply the loss by the scale (fp16) before backward;
-2. :meth:`StepEngine.prepare`: unscale, check and measure the gradients, once per optimizer step (the one host read;
-   skipped when nothing before the step reads them, so that a fused optimizer unscales in its own kernel);
-3. :meth:`StepEngine.clip_by_norm` / :meth:`StepEngine.clip_by_value`: clip with the norm already measured (nothing
-   to clip on a step that will be skipped);
+1. :meth:`StepEngine.scale_loss`: multiply the loss by the loss scale (fp16) before backward;
+2. :meth:`StepEngine.prepare`: unscale, check and measure the gradients, once per optimizer step (the step's one host
+   read); skipped when nothing before the step reads them, so that a fused optimizer unscales in its own kernel;
+3. :meth:`StepEngine.clip_by_norm` / :meth:`StepEngine.clip_by_value`: clip with the norm already measured;
 4. :meth:`StepEngine.step`: step, or skip when the gradients hold inf/NaN; record one
-   :class:`~.outcome.StepResult`;
-5. :meth:`StepEngine.end_batch`: move the loss scale once for everything stepped since the last call.
+   :class:`~.outcome.StepResult`; stop a run that cannot make progress (:class:`~.outcome.SkipCounter`);
+5. :meth:`StepEngine.end_batch`: move the loss scale once for every optimizer stepped since the last call.
 
-Who owns what: the engine owns the guard (:class:`~.scaler.DynamicLossScaler` for fp16, :class:`~.guard.NonfiniteGuard`
-for bf16, or none), the record of recent steps, the LR schedulers it holds while their steps are skipped
-(:mod:`~.schedulers`) and, for compensated bf16 weights, each optimizer's :class:`~.compensated.Compensator` (which
-takes the place of ``optimizer.step()``). The guard owns each optimizer's stage and the skip counters. The front end
-owns the framework's objects (autocast, the model, hooks, checkpoints' keys).
+One optimizer's gradients go through three stages per iteration (:class:`Stage`), and two paths lead through
+``step()``:
+
+* the **unscale path** (clipping, hooks that read gradients, any optimizer): :func:`~.grads.unscale_`, then the global
+  norm (:func:`~.grads.global_norm`), read on the host: the overflow check, the clipping norm and the monitored norm
+  in one number; the step is taken or skipped on the host;
+* the **fused path** (``Adam/AdamW/SGD/Adagrad(fused=True)`` stepped with no ``prepare`` first): one read-only pass
+  measures the still-scaled gradients, the scale and the overflow flag go to the optimizer as ``grad_scale`` /
+  ``found_inf``, its kernel divides and skips on the device, and the step's values wait on the device
+  (:class:`~.outcome.PendingReads`) until something reads them: no host read in the step.
 
 Examples:
     >>> from torch import nn
-    >>> from lightning_amp_plus.step.scaler import DynamicLossScaler
+    >>> from lightning_amp_plus.step.policy import LossScale, ScalePolicy
     >>> model = nn.Linear(2, 1); opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> engine = StepEngine(DynamicLossScaler(init_scale=2.0**8))
+    >>> engine = StepEngine(LossScale(ScalePolicy(256.0, 2.0, 0.5, 2000, 1, 1.0, 2.0**24)))
     >>> engine.scale_loss(model(torch.ones(1, 2)).sum()).backward()
     >>> engine.prepare(opt); norm = engine.clip_by_norm(opt, 1.0); _ = engine.step(opt); engine.end_batch()
-    >>> engine.recent_steps[-1].skipped, engine.steps_taken
-    (False, 1)
+    >>> engine.recent_steps[-1].skipped, engine.skipped_steps
+    (False, 0)
 """
 
 from __future__ import annotations
 
+import enum
+import inspect
+import math
+import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_amp_plus._checks import is_int, read_count, require
 from lightning_amp_plus.step import schedulers
-from lightning_amp_plus.step.guard import GradientGuard
-from lightning_amp_plus.step.outcome import StepResult
-from lightning_amp_plus.weights.compensated import Compensator, Footprint, Method, footprint
+from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.grads import clip_by_norm_, global_norm, measure, sharded_norm, unscale_
+from lightning_amp_plus.step.outcome import BF16_STALL, PENDING_MAX, PendingReads, SkipCounter, Stall, StepResult
+from lightning_amp_plus.step.policy import LossScale
+from lightning_amp_plus.step.sharding import Sharding, local_views, max_across_ranks
+from lightning_amp_plus.weights.compensated import Compensators, Method
 
-__all__ = ["EngineReadings", "StepEngine"]
+__all__ = ["Stage", "StepEngine"]
 
 _RECENT_STEPS = 1024
+# The loss scale's constants in a scaler state: a saved state with others than this engine's gets a warning.
+_CONSTANTS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale",
+              "max_consecutive_skips")  # fmt: skip
+# Devices whose kernels take GradScaler's fused protocol (and where the scale policy can run on the device).
+_FUSED_DEVICE_TYPES = ("cpu", "cuda")
+_TAKES_GRAD_SCALER: dict[type, bool] = {}
+
+
+class Stage(enum.Enum):
+    """Where one optimizer's gradients are between two ``end_batch()`` calls (GradScaler's ``OptState``).
+
+    * ``READY``: nothing done yet this iteration; the gradients are as backward left them (scaled).
+    * ``UNSCALED``: unscaled, checked and measured once (``prepare``); clipping may still change them.
+    * ``STEPPED``: stepped or skipped; nothing more until ``end_batch()``.
+    """
+
+    READY = "ready"
+    UNSCALED = "unscaled"
+    STEPPED = "stepped"
+
+
+@dataclass(eq=False)
+class _Pass:
+    """One optimizer's gradients in the current iteration: its stage, the parameters checked, the step's result."""
+
+    stage: Stage = Stage.READY
+    params: list[Tensor] = field(default_factory=list)
+    result: StepResult = field(default_factory=StepResult)
 
 
 class StepEngine:
-    """Scale, unscale-check-measure once, clip, step or skip, update once, record (see the module docstring).
+    """Scale, check once, clip, step or skip, update once, record (see the module docstring).
 
     Args:
-        guard: the fp16 scaler, the bf16 check, or ``None`` (nothing checked: the step is always taken).
-        hold_schedulers: hold an LR scheduler still while every step of its optimizer since its last step was skipped.
-
-        compensation: ``"kahan"`` or ``"stochastic"`` to step bf16 weights with compensated updates (see
-            :meth:`compensate`), ``None`` for the optimizers' own steps.
+        loss_scale: the fp16 loss scale, or ``None`` (bf16: nothing to scale).
+        check: check each step's gradients and skip on inf/NaN (always, with a loss scale); ``False`` steps blindly.
+        max_consecutive_skips: stuck skips in a row after which ``step()`` (or ``end_batch()`` on the fused path)
+            raises ``FloatingPointError`` with a diagnosis; ``None`` never.
+        compensation: ``"kahan"`` or ``"stochastic"`` to step bf16 weights with compensated updates, ``None`` for the
+            optimizers' own steps.
         seed: the seed of the stochastic-rounding streams.
 
-    State: the guard; the recent step results, newest last, and the count of steps taken; each optimizer's position
-    and its last recorded result; the scheduler ledger and the held schedulers; the compensators, by optimizer
-    position, and a compensation state loaded before they existed.
+    Attributes:
+        process_group: a ``torch.distributed`` process group over which every rank takes the same skip decision (the
+            norm is reduced with MAX; the plugins set it under DDP).
+        sharding: set when the gradients are sharded (FSDP, FSDP2): one SUM all-reduce of each rank's weighted squared
+            norms gives the global norm and the skip decision everywhere (:mod:`~.sharding`). Replaces the MAX.
+        recent_steps: the last optimizer steps' results, newest last (1024 kept).
+
+    State (besides those): each optimizer's pass this iteration; the skip counter and the fused steps not counted yet;
+    the count of steps recorded; the optimizers' positions and the parameters' names; the LR schedulers held; the
+    compensators.
     """
 
     def __init__(
         self,
-        guard: GradientGuard | None,
+        loss_scale: LossScale | None = None,
         *,
-        hold_schedulers: bool = True,
+        check: bool = True,
+        max_consecutive_skips: int | None = 50,
         compensation: Method | None = None,
         seed: int = 0,
     ) -> None:
-        self._guard = guard
-        self.hold_schedulers = hold_schedulers
+        self.loss_scale = loss_scale
+        self.check = check or loss_scale is not None
+        self.process_group: Any = None
+        self.sharding: Sharding | None = None
         self.recent_steps: deque[StepResult] = deque(maxlen=_RECENT_STEPS)
-        """The last optimizer steps' results, newest last (1024 kept)."""
-        self.steps_taken = 0
-        """Optimizer steps driven (applied or skipped), over every run."""
+        self._recorded = 0
+        self._passes: dict[int, _Pass] = {}
+        self._skips = SkipCounter(None)
+        self.max_consecutive_skips = max_consecutive_skips
+        self._fused = PendingReads()
         self._positions: dict[int, int] = {}
-        self._recorded: dict[int, StepResult] = {}
-        self._ledger = schedulers.StepLedger()
-        self._held: list[Any] = []
-        self.compensation = compensation
-        self.seed = seed
-        self._compensators: dict[int, Compensator] = {}
-        self._pending_compensation: list[dict[str, Any] | None] | None = None
+        self._names: dict[int, str] = {}
+        self._held = schedulers.SchedulerHold()
+        self.compensators = None if compensation is None else Compensators(compensation, seed)
 
-    # ------------------------------------------------------------------------------------------------ the guard
+    # ------------------------------------------------------------------------------------------------ set-up
     @property
-    def guard(self) -> GradientGuard | None:
-        """The guard that checks each step (``None``: nothing checked)."""
-        return self._guard
+    def max_consecutive_skips(self) -> int | None:
+        """Stuck skips in a row that stop the run (``None``: never)."""
+        return self._skips.limit
 
-    @guard.setter
-    def guard(self, guard: GradientGuard | None) -> None:
-        previous = self._guard
-        if previous is not None and guard is not None and guard is not previous:
-            # Replaced after set-up (as users do with Lightning's plugin): the new guard reduces where the old one did
-            # and names the same parameters.
-            guard.process_group, guard.sharding = previous.process_group, previous.sharding
-            guard._names = dict(previous._names)
-        self._guard = guard
+    @max_consecutive_skips.setter
+    def max_consecutive_skips(self, value: int | None) -> None:
+        require(value is None or (is_int(value) and value >= 1), "max_consecutive_skips", value,
+                "must be an int >= 1, or None to never stop")  # fmt: skip
+        self._skips.limit = None if value is None else int(value)
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
         """Number the optimizers as the front end lists them (``StepResult.optimizer``); compensate them if asked.
 
         Raises:
-            TypeError: with compensation, an optimizer the compensated update does not implement (named, with the
-                supported ones) or options it does not take: refused before any step.
+            TypeError: with compensation, an optimizer the compensated update does not implement, before any step.
         """
-        self._positions = {id(optimizer): index for index, optimizer in enumerate(optimizers)}
-        if self.compensation is not None:
-            for optimizer in optimizers:
-                self.compensator(optimizer)
+        self._positions = {}
+        for optimizer in optimizers:
+            self.track(optimizer)
 
-    def compensator(self, optimizer: Optimizer) -> Compensator:
-        """The compensator of ``optimizer``, made (and given any state loaded for it) the first time it is asked."""
-        if id(optimizer) not in self._compensators:
-            assert self.compensation is not None
-            position = self._positions.setdefault(id(optimizer), len(self._positions))
-            compensator = Compensator(optimizer, self.compensation, seed=self.seed)
-            pending = self._pending_compensation
-            if pending is not None and position < len(pending) and pending[position] is not None:
-                compensator.load_state_dict(pending[position])  # type: ignore[arg-type]
-                pending[position] = None
-            self._compensators[id(optimizer)] = compensator
-        return self._compensators[id(optimizer)]
+    def track(self, optimizer: Optimizer) -> None:
+        """Number ``optimizer`` after those known (if it is new); make its compensator if compensating.
 
-    def footprints(self) -> list[Footprint]:
-        """Each compensated optimizer's bytes of weights, compensation buffers and state, counted from the tensors."""
-        return [footprint(c.optimizer, c) for c in self._compensators.values()]
+        Raises:
+            TypeError: with compensation, an optimizer the compensated update does not implement, before any step.
+        """
+        position = self._position(optimizer)
+        if self.compensators is not None:
+            self.compensators.of(_innermost(optimizer), position)
 
-    # --------------------------------------------------------------------------------------------- the recipe
+    def name_parameters(self, named: nn.Module | Iterable[tuple[str, Tensor]]) -> None:
+        """What to call each parameter in diagnostics (a module, or ``named_parameters()`` pairs).
+
+        Without names, parameters are called by their place in the optimizer, e.g. ``param_groups[0][3]``.
+        """
+        pairs = named.named_parameters() if isinstance(named, nn.Module) else named
+        self._names = {id(param): name for name, param in pairs}
+
+    def take_over(self, previous: StepEngine) -> None:
+        """Continue where ``previous`` left off (a plugin's scaler replaced).
+
+        Its optimizers, names, ranks, held schedulers, compensators and recent results carry over; the skip counts and
+        the scale stay this engine's own.
+        """
+        self.process_group, self.sharding = previous.process_group, previous.sharding
+        self._positions, self._names = dict(previous._positions), dict(previous._names)
+        self._held, self.compensators = previous._held, previous.compensators
+        self.recent_steps, self._recorded = previous.recent_steps, previous._recorded
+
+    def hold(self, scheduler: Any) -> None:
+        """Hold ``scheduler`` still while every step of its optimizer since its last step was skipped."""
+        if self.check:
+            self._held.hold(scheduler)
+
+    def release_schedulers(self) -> None:
+        """Give every held scheduler its own ``step`` back."""
+        self._held.release()
+
+    @property
+    def held_scheduler_steps(self) -> int:
+        """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
+        return self._held.ledger.held_steps
+
+    # -------------------------------------------------------------------------------------------- the recipe
     def scale_loss(self, loss: Tensor) -> Tensor:
         """The loss to call ``backward()`` on: multiplied by the loss scale under fp16, as it is otherwise."""
-        return loss if self._guard is None else self._guard.scale(loss)
+        return loss if self.loss_scale is None else loss * self.loss_scale.tensor(loss.device)
 
     def prepare(self, optimizer: Optimizer) -> None:
-        """Unscale, check and measure ``optimizer``'s gradients (once per step; a second call does nothing)."""
-        if self._guard is not None:
-            self._guard.unscale_(optimizer)
+        """Unscale, check and measure ``optimizer``'s gradients (once per step; a second call does nothing).
 
-    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> float | None:
+        Raises:
+            RuntimeError: ``optimizer`` already stepped this iteration (call ``end_batch()`` first).
+        """
+        if not self.check:
+            return
+        step = self._pass(optimizer)
+        if step.stage is Stage.STEPPED:
+            raise RuntimeError("`unscale_()` was called after `step()` for this optimizer: call `update()` first.")
+        if step.stage is Stage.READY:
+            self._check(optimizer, step, _params_with_grads(optimizer))
+
+    def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> float:
         """Clip to a global norm of ``max_norm`` with the measured norm (``clip_grad_norm_``'s result, bit for bit).
 
+        Nothing is multiplied on a step that will be skipped, nor when the norm is under the limit.
+
         Returns:
-            The norm before clipping (``None`` without a guard: then ``torch.nn.utils.clip_grad_norm_`` clips).
+            The norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it.
         """
-        if self._guard is None:
-            torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm)
-            return None
-        return self._guard.clip_grad_norm_(optimizer, max_norm)
+        if not isinstance(max_norm, int | float) or isinstance(max_norm, bool) or not 0 < max_norm < math.inf:
+            raise ValueError(f"`clip_grad_norm_(max_norm={max_norm!r})` must be a finite number > 0.")
+        if not self.check:
+            return float(torch.nn.utils.clip_grad_norm_(_params(optimizer), max_norm))
+        self.prepare(optimizer)
+        step = self._pass(optimizer)
+        norm = step.result.grad_norm
+        assert norm is not None  # measured by the check
+        if not step.result.skipped:
+            grads = [p.grad for p in step.params if p.grad is not None]
+            clip_by_norm_(grads if self.sharding is None else local_views(grads), norm, max_norm)
+        return norm
 
     def clip_by_value(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]``; nothing on a step that will be skipped."""
-        self.prepare(optimizer)
         params = [param for param in self.main_params(optimizer) if param.grad is not None]
         if params:  # torch's clip_grad_value_ fails on an empty list (no backward reached the parameters)
             torch.nn.utils.clip_grad_value_(params, clip_value)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
-        """The parameters whose gradients may be clipped: none on a step whose gradients were found non-finite."""
-        if self._guard is not None and self._guard.found_inf(optimizer):
-            return []
-        return list(_params(optimizer))
+        """The parameters whose gradients may be clipped (checked first): none on a step that will be skipped."""
+        self.prepare(optimizer)
+        return [] if self.found_inf(optimizer) else list(_params(optimizer))
 
     def found_inf(self, optimizer: Optimizer) -> bool:
-        """Whether ``optimizer``'s gradients were found non-finite this step (its step will be skipped)."""
-        return self._guard is not None and self._guard.found_inf(optimizer)
+        """Whether ``optimizer``'s gradients were found non-finite this iteration (``False`` before a check)."""
+        step = self._passes.get(_key(optimizer))
+        return step is not None and step.stage is not Stage.READY and step.result.skipped
 
     def step(self, optimizer: Optimizer, apply: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        """Step ``optimizer`` (or run ``apply`` in place of ``optimizer.step``) unless its gradients hold inf/NaN.
+        """Step ``optimizer`` (or run ``apply`` in its place) unless its gradients hold inf/NaN; record the result.
 
-        Records the step's :class:`~.outcome.StepResult` (without reading it: on the fused path it is pending).
+        Returns:
+            What the step returned, or ``None`` when it was skipped on the host.
 
         Raises:
-            FloatingPointError: the guard's skip limit was reached.
+            FloatingPointError: the skip limit was reached.
         """
-        if apply is None and self.compensation is not None:
-            if kwargs:
-                raise ValueError(f"A compensated step takes no arguments (no closure), got {sorted(kwargs)}.")
-            apply = self.compensator(optimizer).step
-        if self._guard is None:
-            output = optimizer.step(**kwargs) if apply is None else apply()
-            self._record(optimizer, StepResult.known(skipped=False, scale=None, grad_norm=None))
-            return output
-        try:
-            if apply is None:
-                return self._guard.step(optimizer, **kwargs)
-            return self._guard.step_with(optimizer, apply)
-        finally:
-            result = self._guard.outcome(optimizer)
-            if result is not None:
-                self._record(optimizer, result)
+        if "closure" in kwargs:
+            raise ValueError(
+                "`step(optimizer, closure=...)`: closures are not supported, because the gradients must be checked "
+                "before the step. Run the closure yourself, then call `step(optimizer)`."
+            )
+        if apply is None and self.compensators is not None:
+            apply = self.compensators.of(_innermost(optimizer), self._position(optimizer)).step
+        if not self.check:
+            self._record(optimizer, StepResult.known(skipped=False))
+            return optimizer.step(**kwargs) if apply is None else apply()
+        step = self._pass(optimizer)
+        if step.stage is Stage.STEPPED:
+            raise RuntimeError("`step()` was already called for this optimizer: call `update()` first.")
+        if step.stage is Stage.READY:
+            params = _params_with_grads(optimizer)
+            if apply is None and self._takes_fused_path(optimizer, params):
+                return self._step_fused(optimizer, step, params, kwargs)
+            self._check(optimizer, step, params)
+        if self._fused.entries:
+            self._count(self._fused.take())  # a limit the fused steps before this one reached
+        step.stage = Stage.STEPPED
+        self._record(optimizer, step.result)
+        if self._skips.count(step.result):
+            self._passes.pop(_key(optimizer), None)  # an update() after the error does not count this step
+            raise FloatingPointError(self._skips.diagnosis(step.result, self._stall(step.result)))
+        if step.result.skipped:
+            return None
+        return optimizer.step(**kwargs) if apply is None else apply()
 
-    def end_batch(self) -> None:
-        """Move the loss scale once for every step since the last call (and end the guard's iteration)."""
-        if self._guard is not None:
-            self._guard.update()
+    def end_batch(self, new_scale: float | None = None) -> None:
+        """End the iteration: move the loss scale once for every optimizer stepped since the last call.
+
+        Args:
+            new_scale: set the scale to this value instead of moving it by the policy (clamped by the caller).
+
+        Raises:
+            FloatingPointError: the skip limit was reached by fused steps (learnt here, when it could be).
+        """
+        results = [step.result for step in self._passes.values() if step.stage is not Stage.READY]
+        self._passes = {}
+        pending = len(self._fused.entries)
+        if pending and (pending >= PENDING_MAX or self._skips.due_within(pending)):
+            self._count(self._fused.take())
+        if self.loss_scale is None or (not results and new_scale is None):
+            return
+        if new_scale is not None:
+            self.loss_scale.set(new_scale)
+        elif not self._fused.entries and not self.loss_scale.on_device:  # every flag known on the host
+            self.loss_scale.update(any(result.skipped for result in results))
+        else:  # a flag still on the device, or the scale's state there: the update stays there (no host read)
+            flags = self._fused.flags_of(results)  # the iteration's unread flags, a 1.0 for an overflow already read
+            self.loss_scale.advance(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
 
     def discard(self, optimizer: Optimizer) -> None:
-        """Forget a check made for a step that does not happen (the next one checks afresh)."""
-        if self._guard is not None:
-            self._guard.discard(optimizer)
+        """Forget a check made for a step that does not happen after all (the next one checks afresh)."""
+        step = self._passes.get(_key(optimizer))
+        if step is not None and step.stage is not Stage.STEPPED:
+            del self._passes[_key(optimizer)]
 
-    # ------------------------------------------------------------------------------------------- schedulers
-    def hold(self, scheduler: Any) -> None:
-        """Hold ``scheduler`` still while every step of its optimizer since its last step was skipped."""
-        if self.hold_schedulers and self._guard is not None:
-            schedulers.hold(scheduler, self._ledger)
-            self._held.append(scheduler)
-
-    def release_schedulers(self) -> None:
-        """Give every held scheduler its own ``step`` back."""
-        for scheduler in self._held:
-            schedulers.release(scheduler)
-        self._held.clear()
-
-    @property
-    def held_scheduler_steps(self) -> int:
-        """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
-        return self._ledger.held_steps
-
-    # ------------------------------------------------------------------------------------------------ readings
+    # --------------------------------------------------------------------------------------------- readings
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients since the start (0 when nothing is checked)."""
-        return 0 if self._guard is None else self._guard.skipped_steps
+        """Optimizer steps skipped since the start (restored from checkpoints; reads fused steps' values)."""
+        if not self._fused.entries:
+            return self._skips.skipped
+        return self._skips.with_counted(self._fused.results()).skipped
 
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped."""
-        return self._guard is not None and self._guard.last_step_skipped
+    def result(self, optimizer: Optimizer) -> StepResult | None:
+        """The result of ``optimizer``'s latest step (``None`` before its first)."""
+        position = self._positions.get(_key(optimizer))
+        return next((result for result in reversed(self.recent_steps) if result.optimizer == position), None)
 
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global norm of the unscaled gradients at the last check (``None`` if nothing checks them)."""
-        return None if self._guard is None else self._guard.last_grad_norm
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def scaler_state_dict(self) -> dict[str, Any]:
+        """The loss scale's state and the skip counters, in plain Python numbers (a ``DynamicLossScaler``'s state).
 
-    @property
-    def last_overflow_params(self) -> list[str]:
-        """Names of the parameters whose gradients were non-finite at the last skipped step."""
-        return [] if self._guard is None else self._guard.last_overflow_params
-
-    def results_since(self, count: int) -> list[StepResult]:
-        """The recorded results of the steps numbered ``count`` and later (``StepResult.index``), oldest first."""
-        return [result for result in self.recent_steps if result.index is not None and result.index >= count]
-
-    # ---------------------------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """The guard's state, the scheduler steps held and, with compensation, each optimizer's compensator state.
-
-        Plain Python values and tensors only (what ``torch.load(weights_only=True)`` reads).
+        Without a loss scale, the counters alone (under the same keys).
         """
-        state: dict[str, Any] = {
-            "held_scheduler_steps": self._ledger.held_steps,
-            "scaler": {} if self._guard is None else self._guard.state_dict(),
-        }
-        if self.compensation is not None:
-            by_position = {self._positions[key]: c for key, c in self._compensators.items()}
-            slots = max(by_position, default=-1) + 1
-            state["compensation"] = [by_position[i].state_dict() if i in by_position else None for i in range(slots)]
+        skips = self._skips.with_counted(self._fused.results()) if self._fused.entries else self._skips
+        if self.loss_scale is None:
+            return skips.counters()
+        return {**self.loss_scale.state_dict(), "max_consecutive_skips": self.max_consecutive_skips, **skips.counters()}
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`scaler_state_dict` (or a ``torch.amp.GradScaler`` state): scale, trackers, skip counters.
+
+        The constants this engine was built with stay in force; if the saved ones differ, a warning says which.
+
+        Raises:
+            TypeError: the state is not a mapping, or a value has the wrong type.
+            ValueError: a key is missing or a value is out of range.
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"A scaler state's `load_state_dict` expects a dict, got {type(state).__name__}.")
+        counters = {key: read_count(state, key, 0) for key in self._skips.counters()}
+        if self.loss_scale is not None:
+            self.loss_scale.load_state_dict(state)
+            mine = self.scaler_state_dict()
+            differing = {key: state[key] for key in _CONSTANTS if key in state and state[key] != mine[key]}
+            if differing:
+                warnings.warn(
+                    f"The saved scaler was built with {differing}; this one keeps its own "
+                    f"{ {key: mine[key] for key in differing} }.",
+                    stacklevel=3,
+                )
+        self._passes, self._fused = {}, PendingReads()
+        self._skips.restore(counters)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state, the scheduler steps held and, with compensation, each optimizer's compensator state."""
+        state: dict[str, Any] = {"held_scheduler_steps": self.held_scheduler_steps, "scaler": self.scaler_state_dict()}
+        if self.compensators is not None:
+            state["compensation"] = self.compensators.state_dict()
         return state
 
-    def load_state_dict(
-        self, scaler: dict[str, Any], held_scheduler_steps: int, compensation: list[Any] | None = None
-    ) -> None:
-        """Restore the guard's state, the count of held scheduler steps and the compensators' states.
+    def load_state_dict(self, scaler: Mapping[str, Any], held_scheduler_steps: int, compensation: Any = None) -> None:
+        """Restore :meth:`state_dict`'s parts (a compensator not made yet gets its state when it is)."""
+        self.load_scaler_state_dict(scaler)
+        self._held.ledger.held_steps = held_scheduler_steps
+        if compensation is not None and self.compensators is not None:
+            self.compensators.load_state_dict(compensation)
 
-        A compensator not made yet (Fabric meets its optimizers at their first step) gets its state when it is.
-        """
-        if self._guard is not None:
-            self._guard.load_state_dict(scaler)
-        self._ledger.held_steps = held_scheduler_steps
-        if compensation is None:
-            return
-        by_position = {self._positions[key]: c for key, c in self._compensators.items()}
-        pending: list[dict[str, Any] | None] = []
-        for position, saved in enumerate(compensation):
-            if position in by_position and saved is not None:
-                by_position[position].load_state_dict(saved)
-                saved = None
-            pending.append(saved)
-        self._pending_compensation = pending
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle between iterations only (as GradScaler): device values are read, parameter references dropped."""
+        if self._passes:
+            raise RuntimeError("A step engine can be pickled only between iterations: before `scale()` or after "
+                               "`update()`.")  # fmt: skip
+        for result in [*self._fused.results(), *self.recent_steps]:
+            _ = result.overflow_params  # names looked up now: the lookup holds parameters of this process
+        state = self.__dict__.copy()
+        state.update(_skips=self._skips.with_counted(self._fused.results()), _fused=PendingReads(), _names={})
+        return state
 
-    # -------------------------------------------------------------------------------------------------- private
+    # -------------------------------------------------------------------------------------------- the checks
+    def _check(self, optimizer: Optimizer, step: _Pass, params: list[Tensor]) -> None:
+        """The unscale path's pass: unscale, check and measure ``params``' gradients; one host read."""
+        policy = None if self.loss_scale is None else self.loss_scale.settle()
+        grads = [p.grad for p in params if p.grad is not None]
+        with torch.no_grad():
+            if policy is not None:
+                # 1 / scale rounded once to float32, as GradScaler computes it.
+                unscale_(grads if self.sharding is None else local_views(grads), f32(1.0 / policy.scale))
+            device = grads[0].device if grads else torch.device("cpu")
+            if self.sharding is not None:
+                total = sharded_norm(grads, self.sharding, device)
+            else:
+                total = global_norm(grads, device)
+                if self.process_group is not None:
+                    total = max_across_ranks(total, self.process_group)
+            norm = float(total.item())  # the step's one host read: the skip, the clipping and the monitored norm
+        skipped = not math.isfinite(norm)
+        if policy is None:
+            step.result.settle(skipped=skipped, scale=None, grad_norm=norm)
+        else:
+            backs_off = skipped and policy.backs_off_on_overflow()
+            step.result.settle(skipped=skipped, scale=policy.scale, grad_norm=norm, backs_off=backs_off)
+        if skipped:  # named now, while the gradients are there (a skipped step is rare: the lookup costs a pass)
+            step.result._names = self._named_nonfinite(optimizer, [p for p in params if p.grad is not None], None)
+        step.params, step.stage = params, Stage.UNSCALED
+
+    def _step_fused(self, optimizer: Optimizer, step: _Pass, params: list[Tensor], kwargs: dict[str, Any]) -> Any:
+        """The fused path: a read-only measure, the flag and the scale to the optimizer's kernel, no host read."""
+        grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device
+        zero, one = self._fused.flags(device)
+        with torch.no_grad():
+            norms = measure(grads if self.sharding is None else local_views(grads), device)
+            if self.sharding is not None:
+                total = self.sharding.all_reduce_((norms.square() * self.sharding.weights(grads, device)).sum()).sqrt()
+            else:
+                total = torch.linalg.vector_norm(norms)
+                if self.process_group is not None:
+                    total = max_across_ranks(total, self.process_group)
+            flag = torch.where(torch.isfinite(total), zero, one)  # exactly 1.0 or 0.0
+        step.stage, step.params = Stage.STEPPED, params
+        result = step.result
+        # The names are looked up later (on request), after zero_grad: the owners of the measured norms are kept now.
+        result._namer = lambda: self._named_nonfinite(optimizer, params, norms)
+        scale = None if self.loss_scale is None else self.loss_scale.tensor(device)
+        if self.loss_scale is None:
+            self._fused.add(result, torch.stack([flag, total]), None)
+        else:
+            values = torch.cat([flag.reshape(1), total.reshape(1), self.loss_scale.step_values()])
+            self._fused.add(result, values, self.loss_scale.backs_off)
+        self._record(optimizer, result)
+        # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step. They
+        # go on the optimizer that runs the kernel: a wrapper (Lightning's LightningOptimizer) would keep them itself.
+        inner = _innermost(optimizer)
+        user_scale = getattr(inner, "grad_scale", None)
+        if scale is not None and user_scale is not None:
+            scale = scale * user_scale
+        inner.grad_scale = user_scale if scale is None else scale  # type: ignore[attr-defined]
+        inner.found_inf = flag  # type: ignore[attr-defined]
+        try:
+            return optimizer.step(**kwargs)
+        finally:
+            del inner.grad_scale  # type: ignore[attr-defined]
+            del inner.found_inf  # type: ignore[attr-defined]
+
+    def _takes_fused_path(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
+        """Whether ``optimizer`` can unscale and skip inside its own kernel, safely, this step."""
+        inner = _innermost(optimizer)
+        if not getattr(inner, "_step_supports_amp_scaling", False):
+            return False
+        kind = type(inner)
+        if kind not in _TAKES_GRAD_SCALER:  # GradScaler's old protocol, step(grad_scaler=...): GradScaler itself only
+            _TAKES_GRAD_SCALER[kind] = "grad_scaler" in inspect.signature(inner.step).parameters
+        if _TAKES_GRAD_SCALER[kind] or not params or any(p.grad is None or p.grad.is_sparse for p in params):
+            return False
+        if params[0].device.type not in _FUSED_DEVICE_TYPES:
+            return False
+        # torch's fused SGD with momentum creates its buffers uninitialised on its first step and keeps them even when
+        # found_inf skips it: that first step takes the unscale path (skipped on the host, no buffers made).
+        return not (isinstance(inner, torch.optim.SGD) and _sgd_buffers_missing(inner))
+
+    def uses_fused_path(self, optimizer: Optimizer) -> bool:
+        """Whether :meth:`step` would now take the fused path for ``optimizer`` (the optimizer unscales itself)."""
+        step = self._passes.get(_key(optimizer))
+        if not self.check or (step is not None and step.stage is not Stage.READY):
+            return False
+        return self._takes_fused_path(optimizer, _params_with_grads(optimizer))
+
+    # -------------------------------------------------------------------------------------- counts, records
+    def _count(self, results: list[StepResult]) -> None:
+        """Count ``results`` in order; at the limit, raise the diagnosis."""
+        for result in results:
+            if self._skips.count(result):
+                raise FloatingPointError(self._skips.diagnosis(result, self._stall(result)))
+
+    def _stall(self, result: StepResult) -> Stall:
+        return BF16_STALL if self.loss_scale is None else self.loss_scale.stall(result.scale)
+
     def _record(self, optimizer: Optimizer, result: StepResult) -> None:
-        if result is self._recorded.get(id(optimizer)):
-            return  # the step failed before the guard's record of it (an error before): recorded already
-        self._recorded[id(optimizer)] = result
-        if self._held:
-            self._ledger.record_outcome(optimizer, result)
-        position = self._positions.get(id(optimizer), 0)
-        self.recent_steps.append(result.renumbered(self.steps_taken, position))
-        self.steps_taken += 1
+        key = id(_innermost(optimizer))
+        result.index, result.optimizer = self._recorded, self._positions.setdefault(key, len(self._positions))
+        self._recorded += 1
+        self.recent_steps.append(result)
+        if self._held.schedulers:  # a held scheduler asks its optimizer's steps (only then are they noted)
+            self._held.ledger.record_outcome(optimizer, result)
+
+    def _position(self, optimizer: Optimizer) -> int:
+        return self._positions.setdefault(_key(optimizer), len(self._positions))
+
+    def _pass(self, optimizer: Optimizer) -> _Pass:
+        return self._passes.setdefault(id(_innermost(optimizer)), _Pass())
+
+    def _named_nonfinite(self, optimizer: Optimizer, owners: list[Tensor], norms: Tensor | None) -> list[str]:
+        """The names of ``owners`` whose gradient norm is non-finite (a host read, made only for a skipped step)."""
+        with torch.no_grad():
+            if norms is None:
+                grads = [p.grad for p in owners if p.grad is not None]
+                norms = measure(grads if self.sharding is None else local_views(grads), grads[0].device)
+        bad = set(torch.nonzero(~torch.isfinite(norms)).flatten().tolist())
+        groups = optimizer.param_groups
+        places = {id(p): f"param_groups[{g}][{i}]" for g, grp in enumerate(groups) for i, p in enumerate(grp["params"])}
+        return [self._names.get(id(p), places.get(id(p), "?")) for i, p in enumerate(owners) if i in bad]
 
 
+# ------------------------------------------------------------------------------------------------------- helpers
 def _params(optimizer: Optimizer) -> Iterable[Tensor]:
     return (param for group in optimizer.param_groups for param in group["params"])
 
 
-class EngineReadings:
-    """What a front end shows of its :class:`StepEngine` (the same properties on every plugin).
+def _params_with_grads(optimizer: Optimizer) -> list[Tensor]:
+    params = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if param.grad.is_sparse and param.grad.dtype == torch.float16:
+                # As GradScaler: duplicates of scaled fp16 values may overflow when summed, so check them summed.
+                param.grad = param.grad.coalesce()
+            params.append(param)
+    return params
 
-    A front end sets ``self.engine``; these read it and never change it.
-    """
 
-    engine: StepEngine
+def _innermost(optimizer: Optimizer) -> Optimizer:
+    """The optimizer inside wrappers that expose it as ``.optimizer`` (Lightning's ``LightningOptimizer``, Fabric's)."""
+    for _ in range(8):
+        inner = getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, Optimizer) or inner is optimizer:
+            break
+        optimizer = inner
+    return optimizer
 
-    @property
-    def skipped_steps(self) -> int:
-        """Optimizer steps skipped for non-finite gradients since the start (0 when nothing is checked)."""
-        return self.engine.skipped_steps
 
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the last optimizer step was skipped."""
-        return self.engine.last_step_skipped
+def _key(optimizer: Optimizer) -> int:
+    """One optimizer however it is wrapped: Lightning hands the hooks its wrapper here and the optimizer there."""
+    return id(_innermost(optimizer))
 
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global norm of the unscaled gradients at the last step (measured by the check; ``None`` if unchecked)."""
-        return self.engine.last_grad_norm
 
-    @property
-    def last_overflow_params(self) -> list[str]:
-        """Names of the parameters whose gradients were non-finite at the last skipped step."""
-        return self.engine.last_overflow_params
-
-    @property
-    def skip_nonfinite(self) -> bool:
-        """Whether steps with non-finite gradients are skipped (always for fp16; by default for bf16)."""
-        return self.engine.guard is not None
-
-    @property
-    def recent_steps(self) -> deque[StepResult]:
-        """The last optimizer steps' results, newest last (:class:`~.outcome.StepResult`; up to 1024 kept)."""
-        return self.engine.recent_steps
-
-    @property
-    def steps_taken(self) -> int:
-        """Optimizer steps driven (applied or skipped), over every run."""
-        return self.engine.steps_taken
-
-    @property
-    def held_scheduler_steps(self) -> int:
-        """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
-        return self.engine.held_scheduler_steps
+def _sgd_buffers_missing(optimizer: Optimizer) -> bool:
+    state = optimizer.state
+    return any(
+        group["momentum"] != 0 and param.grad is not None and state.get(param, {}).get("momentum_buffer") is None
+        for group in optimizer.param_groups
+        for param in group["params"]
+    )

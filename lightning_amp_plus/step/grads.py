@@ -148,14 +148,16 @@ def measure(grads: Sequence[Tensor], out_device: torch.device) -> Tensor:
     dense_at = [index for index, grad in enumerate(grads) if not grad.is_sparse]
     for (_, dtype), positions in _by_device_and_dtype([grads[i] for i in dense_at]).items():
         indices = [dense_at[p] for p in positions]
-        norms = torch._foreach_norm([grads[i] for i in indices], 2, dtype=_accumulation_dtype(dtype))
-        pieces.append((indices, _to(torch.stack(norms).to(_NORM_DTYPE), out_device)))
+        accumulate = torch.float64 if dtype == torch.float64 else _NORM_DTYPE
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in indices], 2, dtype=accumulate)).to(_NORM_DTYPE)
+        pieces.append((indices, norms if norms.device == out_device else norms.to(out_device, non_blocking=True)))
     for index, grad in enumerate(grads):
         if grad.is_sparse:
             values = _norm_source(grad)
             norm = torch.linalg.vector_norm(values, dtype=_accumulation_dtype(values.dtype)).to(_NORM_DTYPE)
             pieces.append(([index], _to(norm.reshape(1), out_device)))
-    return _in_order(pieces, len(grads), out_device)
+    # One group (the usual case: one device, one dtype, dense) is already in order.
+    return pieces[0][1] if len(pieces) == 1 else _in_order(pieces, len(grads), out_device)
 
 
 def _to(tensor: Tensor, device: torch.device) -> Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-__all__ = ["StepLedger", "hold", "release"]
+__all__ = ["SchedulerHold", "StepLedger", "hold", "release"]
 
 # Outcomes of fused-path steps kept unread at most (reading them is one host read for all).
 _PENDING_MAX = 256
@@ -125,3 +125,26 @@ def release(scheduler: Any) -> None:
     original = getattr(type(scheduler), "_amp_plus_held_from", None)
     if original is not None:
         scheduler.__class__ = original
+
+
+class SchedulerHold:
+    """The schedulers one engine holds, and the ledger of its optimizers' steps they consult.
+
+    State: the ledger and the schedulers held (given their own ``step`` back by :meth:`release`). The engine notes its
+    optimizers' steps in the ledger while any scheduler is held.
+    """
+
+    def __init__(self) -> None:
+        self.ledger = StepLedger()
+        self.schedulers: list[Any] = []
+
+    def hold(self, scheduler: Any) -> None:
+        """Hold ``scheduler`` still while every step of its optimizer since its last step was skipped."""
+        hold(scheduler, self.ledger)
+        self.schedulers.append(scheduler)
+
+    def release(self) -> None:
+        """Give every held scheduler its own ``step`` back."""
+        for scheduler in self.schedulers:
+            release(scheduler)
+        self.schedulers.clear()

@@ -39,7 +39,7 @@ from torch import Tensor
 from lightning_amp_plus._checks import check_int, show
 from lightning_amp_plus.step.sharding import local_view
 
-__all__ = ["Compensator", "Footprint", "Method", "footprint", "round_stochastically"]
+__all__ = ["Compensators", "Compensator", "Footprint", "Method", "footprint", "round_stochastically"]
 
 Method = Literal["kahan", "stochastic"]
 # Exact types: a subclass may override step() with another algorithm, which the compensated math would silently replace.
@@ -612,6 +612,60 @@ class Compensator:
 
     def _group_sizes(self) -> list[int]:
         return [len(group["params"]) for group in self.optimizer.param_groups]
+
+
+class Compensators:
+    """One :class:`Compensator` per optimizer of an engine, by the optimizer's position, made at first use.
+
+    A front end may meet its optimizers only at their first step (Fabric): a state loaded before then waits, by
+    position, until the optimizer's compensator is made.
+
+    State: the compensators by optimizer position, and the states loaded for positions that have none yet.
+
+    Examples:
+        >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16)); opt = torch.optim.SGD([w], lr=0.1)
+        >>> compensators = Compensators("kahan", seed=0)
+        >>> compensators.of(opt, 0).method, len(compensators.state_dict())
+        ('kahan', 1)
+    """
+
+    def __init__(self, method: Method, seed: int = 0) -> None:
+        self.method: Method = method
+        self.seed = seed
+        self._made: dict[int, Compensator] = {}
+        self._waiting: dict[int, dict[str, Any]] = {}
+
+    def of(self, optimizer: torch.optim.Optimizer, position: int) -> Compensator:
+        """The compensator of ``optimizer`` (at ``position``), made and given any waiting state the first time.
+
+        Raises:
+            TypeError: ``optimizer`` is not one the compensated update implements (before any step).
+        """
+        if position not in self._made:
+            compensator = Compensator(optimizer, self.method, seed=self.seed)
+            if position in self._waiting:
+                compensator.load_state_dict(self._waiting.pop(position))
+            self._made[position] = compensator
+        return self._made[position]
+
+    def footprints(self) -> list[Footprint]:
+        """Each optimizer's bytes of weights, compensation buffers and state, counted from the tensors."""
+        return [footprint(c.optimizer, c) for c in self._made.values()]
+
+    def state_dict(self) -> list[dict[str, Any] | None]:
+        """Each position's compensator state (``None`` for a position with none)."""
+        slots = max(self._made, default=-1) + 1
+        return [self._made[i].state_dict() if i in self._made else None for i in range(slots)]
+
+    def load_state_dict(self, states: list[dict[str, Any] | None]) -> None:
+        """Load each position's state into its compensator, or keep it until that compensator is made."""
+        for position, saved in enumerate(states):
+            if saved is None:
+                continue
+            if position in self._made:
+                self._made[position].load_state_dict(saved)
+            else:
+                self._waiting[position] = saved
 
 
 def _checked_state(param: Tensor, key: Any, tensor: Any, position: str) -> Tensor:

@@ -157,10 +157,11 @@ def test_amp_settings_build_the_plugin_and_monitor_they_describe(tmp_path: Path)
     (plugin,) = fp16.plugins("cpu")
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.scaler is not None
     assert plugin.scaler.get_scale() == 512.0
-    assert (plugin.scaler.growth_interval, plugin.scaler.hysteresis) == (7, 2)
-    assert plugin.scaler.max_consecutive_skips is None  # 0 on the command line: never stop
+    state = plugin.scaler.state_dict()
+    assert (state["growth_interval"], state["hysteresis"]) == (7, 2)
+    assert state["max_consecutive_skips"] is None  # 0 on the command line: never stop
     (bf16,) = AmpSettings("bf16-mixed", master_weights=True).plugins()
-    assert isinstance(bf16, MixedPrecisionPlugin) and bf16.master_weights and bf16.scaler is None
+    assert isinstance(bf16, MixedPrecisionPlugin) and bf16.settings.master_weights and bf16.scaler is None
     assert AmpSettings("32-true").trainer_kwargs() == {"precision": "32-true"}
     chart = str(tmp_path / "chart.png")
     (monitor,) = AmpSettings(report_path=chart).callbacks()

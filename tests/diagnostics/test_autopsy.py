@@ -429,9 +429,10 @@ def train(autopsy: bool, steps: int = 6) -> tuple[nn.Module, torch.optim.Optimiz
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        if autopsy and scaler.last_step_skipped:
+        result = scaler.result(opt)
+        if autopsy and result is not None and result.skipped:
             assert rng is not None
-            scale = scaler.last_step_scale
+            scale = result.scale
             assert scale is not None
             record = run_autopsy(model, forward, rng=rng, scale=scale, step=step, dtype=FP16)
             assert record is not None

@@ -47,7 +47,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
-from lightning_amp_plus.step import guard
+from lightning_amp_plus.step import engine as step_engine
+from lightning_amp_plus.step.outcome import StepResult
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
@@ -154,7 +155,7 @@ class Recorder(pl.Callback):
             "skipped_steps": plugin.skipped_steps,
             "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
         }
-        if plugin.master_weights:
+        if plugin.settings.master_weights:
             # The plugin has registered its half-precision hook (DDP takes one): watch the all-reduces it makes.
             self._recording = HalfAllReduces(self.buckets)
             dist.all_reduce = self._recording  # type: ignore[assignment]
@@ -174,14 +175,14 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = trainer.precision_plugin
         assert isinstance(plugin, MixedPrecisionPlugin)
-        skipped = plugin.last_step_skipped
+        last = plugin.recent_steps[-1] if plugin.recent_steps else StepResult.known(skipped=False)  # none: accumulating
         self.batches.append(
             {
                 "global_step": trainer.global_step,  # after the batch: a skipped step counts too
-                "skipped": skipped,
+                "skipped": last.skipped,
                 "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
-                "grad_norm": plugin.last_grad_norm,
-                "overflow_params": list(plugin.last_overflow_params) if skipped else [],
+                "grad_norm": last.grad_norm,
+                "overflow_params": last.overflow_params,
                 "before": self._before,
                 "after": weights(trainer, pl_module),
             }
@@ -267,7 +268,7 @@ def without_the_reduction(out: Path) -> dict[str, Any]:
     """The same fault with the overflow flag NOT reduced across ranks: what the feature prevents."""
     torch.manual_seed(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(guard, "max_across_ranks", lambda norm, group: norm)
+        patch.setattr(step_engine, "max_across_ranks", lambda norm, group: norm)
         return recorded_fit(RankData(), our_plugin("bf16-mixed", False), FAULT_STEP + 2)
 
 

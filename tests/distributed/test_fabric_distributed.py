@@ -149,9 +149,9 @@ def train(
         optimizer.zero_grad()
         records.append(
             {
-                "skipped": plugin.last_step_skipped,
+                "skipped": plugin.recent_steps[-1].skipped,
                 "scale": scale,
-                "grad_norm": plugin.last_grad_norm,
+                "grad_norm": plugin.recent_steps[-1].grad_norm,
                 "reference_norm": reference_norm / scale,
             }
         )

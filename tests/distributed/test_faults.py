@@ -200,9 +200,9 @@ class StepWatch(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
         assert isinstance(plugin, MixedPrecisionPlugin)
-        self.skipped.append(plugin.last_step_skipped)
+        self.skipped.append(plugin.recent_steps[-1].skipped)
         self.skipped_total.append(plugin.skipped_steps)
-        self.overflow_params.append(list(plugin.last_overflow_params) if plugin.last_step_skipped else [])
+        self.overflow_params.append(plugin.recent_steps[-1].overflow_params)
         self.nonfinite.append(nonfinite_training_state(trainer))
 
 
@@ -256,7 +256,7 @@ def check_faults_leave_no_trace(
     assert watch.lrs == [clean_lrs[run.model.data_index(step)] for step in range(steps)]
     lr_scheduler = run.trainer.lr_scheduler_configs[0].scheduler
     assert lr_scheduler.last_epoch == clean_steps
-    assert run.plugin.held_scheduler_steps == len(faults)
+    assert run.plugin.engine.held_scheduler_steps == len(faults)
     # Recovery: the faulty run ends where the fault-free one ends, having applied the same batches in the same order.
     # bf16 has no loss scale: a skipped step changes nothing, the arithmetic is the same, bit for bit. In fp16 each
     # fault halves the scale; power-of-two scaling commutes with fp16 rounding except where scaled gradients fall into
@@ -362,7 +362,7 @@ def test_overflow_at_every_step_stops_within_max_consecutive_skips_and_checkpoin
     assert plugin.skipped_steps == steps_to_floor + max_skips
     if mode.precision == "16-mixed":
         assert watch.scales == [8.0] * GOOD_STEPS + [8.0, 4.0, 2.0, 1.0] + [0.5] * max_skips
-        assert plugin.scaler is not None and plugin.scaler.get_scale() == plugin.min_scale == 0.5
+        assert plugin.scaler is not None and plugin.scaler.get_scale() == plugin.scaler.state_dict()["min_scale"] == 0.5
     else:
         assert watch.scales == [None] * len(watch.lrs)
     # Every checkpoint written, during the run and at the failure, holds no inf/NaN anywhere.
@@ -677,7 +677,7 @@ def test_a_grad_scaler_state_resumed_under_bf16_is_ignored_with_a_warning_naming
             set_scaler_field("max_consecutive_skips", 7),
             r"saved scaler was built with \{'max_consecutive_skips': 7\}; this one keeps its own "
             r"\{'max_consecutive_skips': 50\}",
-            lambda plugin: plugin.scaler.max_consecutive_skips == 50,
+            lambda plugin: plugin.scaler.engine.max_consecutive_skips == 50,
             id="other-hyperparameters",
         ),
     ],

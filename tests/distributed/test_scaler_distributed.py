@@ -1,4 +1,4 @@
-"""``DynamicLossScaler.process_group`` on the fused path: two gloo ranks agree on every skip without a host read.
+"""``DynamicLossScaler.engine.process_group`` on the fused path: two gloo ranks agree on every skip without a host read.
 
 A plain loop on 2 CPU processes. Gradients are averaged across the ranks by hand (as DDP does in backward); then one
 rank alone makes its gradient non-finite at one step (a rank-local fault). The overflow flag is reduced on the device
@@ -31,7 +31,7 @@ def train_rank(rank: int, fused: bool) -> dict[str, Any]:
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, max_consecutive_skips=None)
-    scaler.process_group = dist.group.WORLD
+    scaler.engine.process_group = dist.group.WORLD
     reads: list[str] = []
     outcomes = []
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
@@ -48,13 +48,13 @@ def train_rank(rank: int, fused: bool) -> dict[str, Any]:
         with host_reads(reads):
             scaler.step(opt)
             scaler.update()
-        outcomes.append(scaler.outcome(opt))
+        outcomes.append(scaler.result(opt))
     return {
         "skipped": [outcome.skipped for outcome in outcomes],
         "scale": scaler.get_scale(),
         "params": [p.detach().clone() for p in model.parameters()],
         "reads": reads,
-        "overflow_params": scaler.last_overflow_params,
+        "overflow_params": next(o for o in reversed(outcomes) if o.skipped).overflow_params,
     }
 
 

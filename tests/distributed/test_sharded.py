@@ -265,6 +265,6 @@ def test_our_plugin_under_model_parallel_measures_dtensor_gradients_on_their_sha
     ranks: list[dict[str, Any]],
 ) -> None:
     """It failed in its one-pass norm on DTensor gradients (`Sharding propagation failed for aten._foreach_norm`);
-    it now measures each rank's local shards (tests/plugins/test_sharded_plugin.py checks the numbers)."""
+    it now measures each rank's local shards (tests/distributed/test_sharded_plugin.py checks the numbers)."""
     for record in scenario(ranks, "ours_model_parallel"):
         assert record == {"error": None, "message": ""}

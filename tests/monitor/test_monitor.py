@@ -71,7 +71,7 @@ class StepRecorder(pl.Callback):
     """An independent record of every optimizer step, read from the trainer rather than from the monitor.
 
     ``scale_at_start``: ``trainer.scaler.get_scale()`` at batch start (the scale the step's loss is multiplied by);
-    ``scale_used``/``skipped``: our plugin's ``last_step_scale`` and ``last_step_skipped`` at batch end;
+    ``scale_used``/``skipped``: our plugin's last step's scale and skip at batch end;
     ``norms``: in ``on_before_optimizer_step`` (gradients already unscaled), the global L2 norm of the gradients the
     way ``torch.nn.utils.clip_grad_norm_`` takes it: the float32 norm of the float32 per-tensor norms.
     """
@@ -94,8 +94,8 @@ class StepRecorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         plugin = trainer.precision_plugin
         if isinstance(plugin, MixedPrecisionPlugin):
-            self.scale_used.append(None if plugin.scaler is None else plugin.scaler.last_step_scale)
-            self.skipped.append(plugin.last_step_skipped)
+            self.scale_used.append(plugin.recent_steps[-1].scale)
+            self.skipped.append(plugin.recent_steps[-1].skipped)
 
 
 def fp16_plugin(**scaler_kwargs: Any) -> MixedPrecisionPlugin:
@@ -254,7 +254,7 @@ def test_monitor_history_matches_what_was_logged(fp16_run):
     history = fp16_run.monitor.history.steps
     assert [r.step for r in history] == list(range(FP16_STEPS))
     assert [r.scale for r in history] == fp16_run.metrics["amp/loss_scale"]
-    assert history[-1].grad_norm == fp16_run.trainer.precision_plugin.last_grad_norm
+    assert history[-1].grad_norm == fp16_run.trainer.precision_plugin.recent_steps[-1].grad_norm
     # The logger gets `self.log`'s float32 copy of the plugin's own norm, bit for bit.
     for record, logged in zip(history, fp16_run.metrics["amp/grad_norm"], strict=True):
         if math.isfinite(logged):

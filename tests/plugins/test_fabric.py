@@ -106,8 +106,8 @@ def test_an_overflow_step_with_fabrics_default_clipping_is_skipped_without_raisi
     state_before = copy.deepcopy(run.optimizer.optimizer.state_dict())
     run.step()  # fabric.clip_gradients(..., max_norm=0.25) or (..., clip_val=0.02): no error
     plugin = run.plugin
-    assert plugin.last_step_skipped and plugin.skipped_steps == 1
-    assert not math.isfinite(plugin.last_grad_norm)  # type: ignore[arg-type]
+    assert plugin.recent_steps[-1].skipped and plugin.skipped_steps == 1
+    assert not math.isfinite(plugin.recent_steps[-1].grad_norm)  # type: ignore[arg-type]
     for before, after in zip(run.params[0], run.params[1], strict=True):
         assert torch.equal(before, after)  # parameters untouched
     state_after = run.optimizer.optimizer.state_dict()
@@ -116,7 +116,7 @@ def test_an_overflow_step_with_fabrics_default_clipping_is_skipped_without_raisi
             assert torch.equal(value, state_after["state"][param][key]), key  # AdamW's moments and step untouched
     assert plugin.scaler.get_scale() == START_SCALE  # the scale the skipped step's gradients carried
     run.step()  # its backward first backs the scale off
-    assert not plugin.last_step_skipped and plugin.skipped_steps == 1
+    assert not plugin.recent_steps[-1].skipped and plugin.skipped_steps == 1
     assert plugin.scaler.get_scale() == START_SCALE / 2
 
 
@@ -209,7 +209,7 @@ def test_bf16_with_skip_nonfinite_off_behaves_as_fabrics_builtin() -> None:
     assert all(torch.isnan(p).all() for p in mine.params[2])
     for a, b in zip(mine.params[0], theirs.params[0], strict=True):
         assert torch.equal(a, b)
-    assert mine.plugin.skipped_steps == 0 and not mine.plugin.skip_nonfinite
+    assert mine.plugin.skipped_steps == 0 and not mine.plugin.settings.skip_nonfinite
 
 
 # ----------------------------------------------------------------------------------------------- readings
@@ -233,7 +233,7 @@ def test_last_grad_norm_is_the_global_norm_of_the_unscaled_gradients(precision: 
     seen = norms_the_optimizer_is_handed(run)
     for step in range(4):
         run.step()
-        assert run.plugin.last_grad_norm == pytest.approx(seen[step], rel=5e-5, abs=0.0), step
+        assert run.plugin.recent_steps[-1].grad_norm == pytest.approx(seen[step], rel=5e-5, abs=0.0), step
     assert len(seen) == 4
 
 
@@ -241,11 +241,11 @@ def test_last_grad_norm_is_the_norm_fabric_clip_gradients_returns_on_a_finite_st
     run = FabricRun(ours(), Loop(steps=4, clip="norm", overflow_at=(2,)))
     for step in range(4):
         run.step()
-        norm = run.plugin.last_grad_norm
+        norm = run.plugin.recent_steps[-1].grad_norm
         if step == 2:
-            assert run.plugin.last_step_skipped and norm is not None and not math.isfinite(norm)
+            assert run.plugin.recent_steps[-1].skipped and norm is not None and not math.isfinite(norm)
         else:
-            assert norm == run.clip_norms[step] and not run.plugin.last_step_skipped  # the same float32, exactly
+            assert norm == run.clip_norms[step] and not run.plugin.recent_steps[-1].skipped  # the same float32, exactly
 
 
 @pytest.mark.parametrize(
@@ -266,11 +266,11 @@ def test_last_overflow_params_names_the_parameters_as_named_parameters_gives_the
     handle = run.module[2].bias.register_hook(lambda grad: torch.full_like(grad, math.inf))
     run.step()
     handle.remove()
-    assert run.plugin.last_step_skipped
-    assert run.plugin.last_overflow_params == ["2.bias"]
+    assert run.plugin.recent_steps[-1].skipped
+    assert run.plugin.recent_steps[-1].overflow_params == ["2.bias"]
     assert "2.bias" in dict(run.module.named_parameters())
     run.step()
-    assert not run.plugin.last_step_skipped and run.plugin.skipped_steps == 1
+    assert not run.plugin.recent_steps[-1].skipped and run.plugin.skipped_steps == 1
 
 
 def test_the_scaler_is_ours_for_fp16_none_for_bf16_and_can_be_replaced() -> None:
@@ -352,7 +352,7 @@ def test_the_monitor_observes_each_step_for_fabric_log_dict(tmp_path: Path) -> N
         assert metrics["amp/step_skipped"] == float(step in (1, 4))
         assert metrics["amp/skipped_steps"] == float(sum(skip <= step for skip in (1, 4)))
         if step not in (1, 4):
-            assert metrics["amp/grad_norm"] == plugin.last_grad_norm == run.clip_norms[step]
+            assert metrics["amp/grad_norm"] == plugin.recent_steps[-1].grad_norm == run.clip_norms[step]
         assert metrics["amp/cpu_rss_mb"] > 0
     assert monitor.observe(plugin) == {}  # no step since: nothing to log
     run.fabric.logger.finalize("success")
@@ -612,7 +612,7 @@ def test_in_a_fabric_step_inputs_and_compute_are_half_while_weights_outputs_and_
     assert model.layer.weight.grad is not None and model.layer.weight.grad.dtype == torch.float32
     optimizer.step()
     optimizer.zero_grad()
-    assert not fabric.strategy.precision.last_step_skipped  # type: ignore[attr-defined]
+    assert not fabric.strategy.precision.recent_steps[-1].skipped  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
@@ -678,13 +678,16 @@ def test_fabric_clip_gradients_clips_the_unscaled_gradients_as_torch_does(clip: 
     expected = [p.grad.detach().clone() / START_SCALE for p in run.module.parameters()]  # type: ignore[union-attr]
     if clip == "norm":
         total = run.fabric.clip_gradients(run.model, run.optimizer, max_norm=0.1)
-        assert total is not None and float(total) == run.plugin.last_grad_norm
+        assert total is not None
         _clip_norm(expected, 0.1)
     else:
         assert run.fabric.clip_gradients(run.model, run.optimizer, clip_val=0.01) is None
         expected = [g.clamp(-0.01, 0.01) for g in expected]
     for param, grad in zip(run.module.parameters(), expected, strict=True):
         assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
+    run.optimizer.step()
+    if clip == "norm":  # the step records the norm the check measured, the one clip_gradients returned
+        assert float(total) == run.plugin.recent_steps[-1].grad_norm
 
 
 def _clip_norm(grads: list[Tensor], max_norm: float) -> None:

@@ -779,7 +779,7 @@ def test_lightning_cli_takes_the_plugin_from_trainer_plugins(mode: Mode, tmp_pat
     cli = LightningCLI(CliModel, args=args, save_config_kwargs={"overwrite": True})
     plugin = cli.trainer.precision_plugin
     assert isinstance(plugin, MixedPrecisionPlugin)
-    assert (plugin.precision, plugin.master_weights) == (mode.precision, mode.master_weights)
+    assert (plugin.precision, plugin.settings.master_weights) == (mode.precision, mode.master_weights)
     assert cli.trainer.global_step == 3 and {p.dtype for p in cli.model.parameters()} == {torch.float32}
 
 
@@ -798,4 +798,5 @@ def test_a_scaler_assigned_during_fit_names_the_parameters_the_old_one_named() -
     plugin = ours(Mode("16-mixed", False))
     make_trainer(plugin, max_steps=6, max_epochs=-1, callbacks=[SwapsTheScaler()]).fit(OneBadLayer(), loader())
     assert plugin.scaler is not None and plugin.scaler.skipped_steps == 1
-    assert plugin.last_overflow_params == ["net.2.weight"]
+    skipped = [result for result in plugin.recent_steps if result.skipped]
+    assert [result.overflow_params for result in skipped] == [["net.2.weight"]]

@@ -406,7 +406,7 @@ def test_held_scheduler_keeps_its_class_and_state_dict_keys_and_gets_its_class_b
     plugin = plugin_for("16-mixed")
     trainer = make_trainer(plugin, max_steps=4, callbacks=[Inspect()])
     trainer.fit(TinyRegressor(optimizer="adam", scheduler="step", overflow_steps=(1,)), loader())
-    assert plugin.held_scheduler_steps == 1  # the hold was in force during fit
+    assert plugin.engine.held_scheduler_steps == 1  # the hold was in force during fit
     fresh_keys = set(StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), step_size=1).state_dict())
     assert seen == [(True, fresh_keys)] * 4
     assert type(trainer.lr_scheduler_configs[0].scheduler) is StepLR
@@ -710,12 +710,6 @@ def test_flags_must_be_bools_and_the_error_names_the_option_and_the_value(option
         MixedPrecisionPlugin("bf16-mixed", **{option: value})
 
 
-@pytest.mark.parametrize(("option", "value"), [("half_modules", (torch.nn.Linear,)), ("fp32_grad_accumulation", False)])
-def test_options_of_the_old_master_weights_are_refused_with_what_replaced_them(option: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=rf"{option}=.*was removed: .* Drop {option}"):
-        MixedPrecisionPlugin("bf16-mixed", master_weights=True, **{option: value})
-
-
 @pytest.mark.parametrize("value", ["abc", -5, 0, 2.5, True])
 def test_max_consecutive_skips_must_be_a_positive_int_or_none(value: Any) -> None:
     with pytest.raises(ValueError, match=rf"max_consecutive_skips={re.escape(repr(value))}\)` must be an int >= 1"):
@@ -724,13 +718,13 @@ def test_max_consecutive_skips_must_be_a_positive_int_or_none(value: Any) -> Non
 
 def test_max_consecutive_skips_given_to_the_plugin_configures_the_default_fp16_scaler() -> None:
     plugin = MixedPrecisionPlugin("16-mixed", max_consecutive_skips=5)
-    assert plugin.scaler is not None and plugin.scaler.max_consecutive_skips == 5
-    assert MixedPrecisionPlugin("16-mixed", max_consecutive_skips=None).scaler.max_consecutive_skips is None  # type: ignore[union-attr]
+    assert plugin.scaler is not None and plugin.scaler.engine.max_consecutive_skips == 5
+    assert MixedPrecisionPlugin("16-mixed", max_consecutive_skips=None).scaler.engine.max_consecutive_skips is None  # type: ignore[union-attr]
 
 
 def test_a_scaler_keeps_its_own_limit_and_a_different_explicit_plugin_limit_is_refused() -> None:
     own = DynamicLossScaler(max_consecutive_skips=10)
-    assert MixedPrecisionPlugin("16-mixed", scaler=own).scaler is own and own.max_consecutive_skips == 10
+    assert MixedPrecisionPlugin("16-mixed", scaler=own).scaler is own and own.engine.max_consecutive_skips == 10
     assert MixedPrecisionPlugin("16-mixed", scaler=own, max_consecutive_skips=10).scaler is own
     with pytest.raises(
         ValueError, match=r"max_consecutive_skips=10 differs from .*max_consecutive_skips=5\).*one place"

@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from lightning_amp_plus.step.device_policy import DevicePolicy
-from lightning_amp_plus.step.policy import ScalePolicy
+from lightning_amp_plus.step.policy import DevicePolicy, ScalePolicy
 
 
 def policy(init: float = 8.0, **kw: float) -> ScalePolicy:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import assert_same_parameters, host_reads
+from helpers import assert_same_parameters, host_reads, skip_bound
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -87,7 +87,9 @@ def test_last_grad_norm_is_the_unscaled_norm_clip_grad_norm_reports() -> None:
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
     # fp16 autocast: gradients of the scaled and unscaled loss differ by fp16 rounding of intermediate values.
     torch.testing.assert_close(torch.tensor(norm), expected, rtol=1e-3, atol=0)
-    assert scaler.last_grad_norm == norm == scaler.grad_norm(opt)
+    assert scaler.result(opt) is None  # not stepped yet
+    scaler.step(opt)
+    assert scaler.result(opt).grad_norm == norm
 
 
 # ----------------------------------------------------------------------------------------------- floor and limits
@@ -115,7 +117,7 @@ def test_skip_limit_raises_a_diagnosis_naming_parameters_scale_and_skips() -> No
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=4.0, max_consecutive_skips=3)
-    scaler.set_parameter_names(model)
+    scaler.engine.name_parameters(model)
     x = torch.randn(2, 8)
     with pytest.raises(FloatingPointError) as info:
         for _ in range(10):
@@ -129,7 +131,7 @@ def test_skip_limit_raises_a_diagnosis_naming_parameters_scale_and_skips() -> No
     assert "3 optimizer steps in a row" in message and "5 skipped in all" in message
     assert "2.weight" in message and "0.weight" not in message
     assert "min_scale=1" in message and "max_consecutive_skips" in message
-    assert scaler.skipped_steps == 5 and scaler.last_overflow_params == ["2.weight"]
+    assert scaler.skipped_steps == 5 and scaler.result(opt).overflow_params == ["2.weight"]
 
 
 def overflow_forever(scaler: DynamicLossScaler, steps: int, fused: bool = False) -> int:
@@ -168,7 +170,7 @@ def test_a_run_whose_every_step_is_skipped_stops_within_the_bound_read_off_the_s
     scaler = DynamicLossScaler(**kwargs)
     stopped_at = overflow_forever(scaler, steps=200, fused=fused)
     assert stopped_at == bound
-    assert scaler.max_skips_in_a_row is not None and stopped_at <= scaler.max_skips_in_a_row
+    assert stopped_at <= skip_bound(scaler)
 
 
 @pytest.mark.parametrize(
@@ -199,11 +201,11 @@ def overflow_forever_raising(scaler: DynamicLossScaler, w: nn.Parameter, opt: to
 
 
 def test_the_documented_bound_is_max_consecutive_skips_plus_the_backoffs_to_the_floor() -> None:
-    assert DynamicLossScaler().max_skips_in_a_row == 50 + 24
+    assert skip_bound(DynamicLossScaler()) == 50 + 24
     bounds = {"init_scale": 1.0, "min_scale": 2.0**-10, "max_scale": 2.0**10}
-    assert DynamicLossScaler(**bounds, backoff_factor=0.25).max_skips_in_a_row == 50 + 10
-    assert DynamicLossScaler(backoff_factor=1.0).max_skips_in_a_row == 50
-    assert DynamicLossScaler(max_consecutive_skips=None).max_skips_in_a_row is None
+    assert skip_bound(DynamicLossScaler(**bounds, backoff_factor=0.25)) == 50 + 10
+    assert skip_bound(DynamicLossScaler(backoff_factor=1.0)) == 50
+    assert skip_bound(DynamicLossScaler(max_consecutive_skips=None)) is None
 
 
 @pytest.mark.parametrize("tracker", ["_hysteresis_tracker", "_growth_tracker"])
@@ -239,7 +241,7 @@ def test_unnamed_parameters_are_called_by_their_place_in_the_optimizer() -> None
     (a.sum() + b.sum()).backward()
     b.grad[1] = float("inf")
     assert scaler.step(opt) is None
-    assert scaler.last_overflow_params == ["param_groups[1][0]"]
+    assert scaler.result(opt).overflow_params == ["param_groups[1][0]"]
 
 
 def test_a_skipped_step_leaves_parameters_and_optimizer_state_untouched() -> None:
@@ -254,14 +256,14 @@ def test_a_skipped_step_leaves_parameters_and_optimizer_state_untouched() -> Non
     state = copy.deepcopy(opt.state_dict())
     opt.zero_grad()
     scaler.scale(model(x).sum() * float("inf")).backward()
-    assert scaler.step(opt) is None and scaler.last_step_skipped
+    assert scaler.step(opt) is None and scaler.result(opt).skipped
     scaler.update()
     for key, value in model.state_dict().items():
         assert torch.equal(value, params[key]), key
     for index, entry in opt.state_dict()["state"].items():
         for key, value in entry.items():
             assert torch.equal(value, state["state"][index][key]), (index, key)
-    assert scaler.skipped_steps == 1 and scaler.consecutive_skips == 1
+    assert scaler.skipped_steps == 1 and scaler.state_dict()["consecutive_skips"] == 1
 
 
 def test_hysteresis_skips_every_overflow_but_backs_off_only_when_used_up() -> None:
@@ -390,7 +392,7 @@ def test_differing_saved_hyperparameters_warn_and_the_constructors_stay() -> Non
     scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=5)
     with pytest.warns(UserWarning, match="growth_interval"):
         scaler.load_state_dict(state)
-    assert scaler.growth_interval == 5
+    assert scaler.get_growth_interval() == 5
 
 
 @pytest.mark.parametrize(

@@ -53,15 +53,10 @@ def test_the_scale_follows_the_loss_whatever_device_was_named() -> None:
     assert scaler.scale(torch.tensor(1.5)).item() == 6.0
 
 
-def test_a_number_first_is_the_initial_scale_of_the_earlier_signature() -> None:
-    assert DynamicLossScaler(2.0**8).get_scale() == 256.0
-    assert DynamicLossScaler(1.0, min_scale=1.0, max_scale=1.0).get_scale() == 1.0
-
-
-def test_a_number_first_and_an_initial_scale_second_is_refused_as_ambiguous() -> None:
-    # The earlier signature's (init_scale, growth_factor): read now as (device, init_scale), it would shift silently.
-    with pytest.raises(TypeError, match=r"DynamicLossScaler\(8\.0, 2\.0, \.\.\.\).*first argument is the device"):
-        DynamicLossScaler(8.0, 2.0)
+def test_a_number_first_is_refused_as_a_device_naming_the_keyword_for_the_scale() -> None:
+    # GradScaler's first argument is the device: a scale given there is a mistake, said as such.
+    with pytest.raises(ValueError, match=r"device=256\.0.*device type.*init_scale="):
+        DynamicLossScaler(2.0**8)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [({"device": "no-such-device"}, ValueError), ({"enabled": 1}, TypeError)])
@@ -113,7 +108,7 @@ def test_when_disabled_the_extras_are_pass_throughs_too() -> None:
     expected = torch.nn.utils.clip_grad_norm_([reference], 1.0)
     assert scaler.clip_grad_norm_(opt, max_norm=1.0) == float(expected) == pytest.approx(6.0)
     torch.testing.assert_close(w.grad, reference.grad, rtol=0, atol=0)  # clipped by torch's own clip_grad_norm_
-    assert not scaler.found_inf(opt) and scaler.skipped_steps == 0
+    assert not scaler.engine.found_inf(opt) and scaler.skipped_steps == 0
 
 
 def test_the_nanogpt_pattern_trains_exactly_as_without_a_scaler_in_bf16() -> None:
@@ -285,7 +280,8 @@ def test_the_norm_of_a_sparse_gradient_is_that_of_its_dense_equivalent() -> None
     assert emb.weight.grad is not None and not emb.weight.grad.is_coalesced()
     scaler.unscale_(opt)
     dense = emb.weight.grad.to_dense()
-    torch.testing.assert_close(torch.tensor(scaler.last_grad_norm), torch.linalg.vector_norm(dense))
+    scaler.step(opt)
+    torch.testing.assert_close(torch.tensor(scaler.result(opt).grad_norm), torch.linalg.vector_norm(dense))
     torch.testing.assert_close(dense[3], torch.full((3,), 3.0), rtol=0, atol=0)  # three ones, unscaled
 
 
@@ -298,7 +294,7 @@ def test_fp16_sparse_duplicates_that_overflow_once_summed_are_caught() -> None:
     p.grad = torch.sparse_coo_tensor(indices, values, (2, 3), dtype=torch.float16, check_invariants=True)
     scaler = DynamicLossScaler(init_scale=1.0)
     scaler.unscale_(opt)
-    assert scaler.found_inf(opt)
+    assert scaler.engine.found_inf(opt)
 
 
 def test_when_disabled_every_step_has_an_applied_outcome() -> None:
@@ -307,6 +303,6 @@ def test_when_disabled_every_step_has_an_applied_outcome() -> None:
     opt = torch.optim.SGD([w], lr=0.1, fused=True)
     (w * INF).sum().backward()
     scaler.step(opt)
-    outcome = scaler.outcome(opt)
-    assert outcome is not None and outcome.resolved and not outcome.skipped and outcome.scale == 1.0
-    assert not scaler.uses_fused_path(opt)
+    outcome = scaler.result(opt)
+    assert outcome is not None and outcome.resolved and not outcome.skipped and outcome.scale is None
+    assert not scaler.engine.uses_fused_path(opt)

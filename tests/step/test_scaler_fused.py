@@ -138,7 +138,7 @@ def test_a_skipped_step_leaves_parameters_and_state_untouched_including_the_step
             poison(model, step, {step: bad})
         scaler.step(opt)
         scaler.update()
-    outcome = scaler.outcome(opt)
+    outcome = scaler.result(opt)
     assert outcome is not None and outcome.skipped
     for key, value in model.state_dict().items():
         assert torch.equal(value, params[key]), key
@@ -205,7 +205,8 @@ def test_the_scaler_reads_nothing_from_the_device_in_the_step_overflows_included
     # Read when asked: one read of all 20 steps' flags (and one of the last overflow's per-tensor norms for names).
     with host_reads(calls):
         assert scaler.skipped_steps == sum(step in OVERFLOWS for step in range(20))
-        assert scaler.last_overflow_params == ["param_groups[0][2]"]
+        last_skip = next(result for result in reversed(scaler.engine.recent_steps) if result.skipped)
+        assert last_skip.overflow_params == ["param_groups[0][2]"]
     assert calls == ["tolist", "tolist"]
 
 
@@ -219,21 +220,23 @@ def test_with_a_skip_limit_the_flags_are_read_once_per_limit_steps_not_per_step(
 
 
 # --------------------------------------------------------------------------- counters, outcomes, the skip limit
-def observed(scaler: DynamicLossScaler) -> tuple[Any, ...]:
+def observed(scaler: DynamicLossScaler, opt: torch.optim.Optimizer) -> tuple[Any, ...]:
+    result = scaler.result(opt)
+    assert result is not None
     return (
         scaler.get_scale(),
         scaler.skipped_steps,
-        scaler.consecutive_skips,
-        scaler.last_step_skipped,
-        scaler.last_overflow_params,
-        scaler.last_step_scale,
+        scaler.state_dict()["consecutive_skips"],
+        result.skipped,
+        result.overflow_params,
+        result.scale,
     )
 
 
 def test_counters_read_at_any_time_equal_the_unscale_paths() -> None:
     def run(fused: bool, read_at: set[int]) -> list[tuple[Any, ...]]:
         scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=4, hysteresis=2)
-        scaler.set_parameter_names(model := make_model())
+        scaler.engine.name_parameters(model := make_model())
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
         seen = []
         for step in range(STEPS):
@@ -243,7 +246,7 @@ def test_counters_read_at_any_time_equal_the_unscale_paths() -> None:
             scaler.step(opt)
             scaler.update()
             if step in read_at:
-                seen.append(observed(scaler))
+                seen.append(observed(scaler, opt))
         return seen
 
     every = set(range(STEPS))
@@ -262,7 +265,7 @@ def test_the_grad_norm_is_measured_on_the_fused_path_too() -> None:
         scaler.scale(loss_at(model, 0)).backward()
         scaler.step(opt)
         scaler.update()
-        norms.append(scaler.last_grad_norm)
+        norms.append(scaler.result(opt).grad_norm)
     # The norm of the scaled gradients divided by the power-of-two scale: the unscaled norm, summed differently.
     torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), rtol=1e-6, atol=0)
 
@@ -277,7 +280,7 @@ def test_a_step_outcome_resolves_on_first_access_and_stays_valid() -> None:
         scaler.scale(loss_at(model, step)).backward()
         poison(model, step, {3: INF})
         scaler.step(opt)
-        outcome = scaler.outcome(opt)
+        outcome = scaler.result(opt)
         assert outcome is not None and not outcome.resolved and outcome.ready  # CPU: the value is there
         outcomes.append(outcome)
         scaler.update()
@@ -297,14 +300,14 @@ def test_on_the_unscale_path_the_outcome_is_resolved_when_step_returns() -> None
     scaler.scale(loss_at(model, 0)).backward()
     scaler.unscale_(opt)  # e.g. to clip: the fused optimizer then takes the unscale path
     scaler.step(opt)
-    outcome = scaler.outcome(opt)
+    outcome = scaler.result(opt)
     assert outcome is not None and outcome.resolved and not outcome.skipped
 
 
 def test_the_skip_limit_raises_at_the_same_step_as_on_the_unscale_path_naming_the_parameter() -> None:
     def run(fused: bool) -> tuple[int, str, str]:
         scaler = DynamicLossScaler(init_scale=4.0, max_consecutive_skips=3)
-        scaler.set_parameter_names(model := make_model())
+        scaler.engine.name_parameters(model := make_model())
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
         for step in range(20):
             opt.zero_grad()
@@ -344,7 +347,7 @@ def test_mixing_the_paths_counts_every_step_once_in_order() -> None:
             scaler.step(opt)
             scaler.update()
             if step % 7 == 0 or step == 29:
-                seen.append(observed(scaler)[:4])
+                seen.append(observed(scaler, opt)[:4])
         return seen
 
     assert run(clip_at={4, 5, 9, 20, 21}) == run(clip_at=None)
@@ -401,7 +404,7 @@ def test_on_cuda_the_fused_path_matches_grad_scaler_bit_for_bit_without_a_single
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             if isinstance(scaler, DynamicLossScaler):
-                outcomes.append(scaler.outcome(opt))
+                outcomes.append(scaler.result(opt))
         return model, opt, outcomes
 
     # max_consecutive_skips=None: no read is due within these steps, so none may happen.
@@ -437,11 +440,11 @@ def test_uses_fused_path_says_which_path_step_will_take(
     scaler.scale(loss_at(model, 0)).backward()
     if not before_unscale:
         scaler.unscale_(opt)
-    assert scaler.uses_fused_path(opt) is expected
+    assert scaler.engine.uses_fused_path(opt) is expected
     scaler.step(opt)
-    outcome = scaler.outcome(opt)
+    outcome = scaler.result(opt)
     assert outcome is not None and outcome.resolved is not expected  # the fused path resolves lazily
-    assert not scaler.uses_fused_path(opt)  # stepped: nothing more this iteration
+    assert not scaler.engine.uses_fused_path(opt)  # stepped: nothing more this iteration
 
 
 def test_through_lightnings_optimizer_wrapper_the_flag_reaches_the_optimizer_that_runs_the_kernel() -> None:
@@ -463,7 +466,7 @@ def test_through_lightnings_optimizer_wrapper_the_flag_reaches_the_optimizer_tha
             inner.zero_grad()
             scaler.scale(loss_at(model, step)).backward()
             poison(model, step, {3: INF})
-            assert scaler.uses_fused_path(opt)
+            assert scaler.engine.uses_fused_path(opt)
             scaler.step(opt)
             scaler.update()
         runs.append((model, scaler.skipped_steps))

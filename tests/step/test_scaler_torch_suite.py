@@ -175,7 +175,7 @@ def test_unscale_handles_fp16_sparse_gradients_which_grad_scaler_refuses() -> No
     p.grad = s.clone()
     scaler = ours(init_scale=4.0)
     scaler.unscale_(opt)
-    assert not scaler.found_inf(opt)
+    assert not scaler.engine.found_inf(opt)
     torch.testing.assert_close(p.grad.to_dense(), (s / 4).to_dense(), rtol=0, atol=0)
 
 

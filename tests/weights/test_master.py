@@ -514,7 +514,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(precision: 
     snapshots = StateAroundSteps()
     plugin = ours(precision)
     trainer = fit(model, plugin, steps=8, callbacks=[snapshots])
-    assert plugin.skipped_steps == 1 and plugin.held_scheduler_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.held_scheduler_steps == 1
     torch.testing.assert_close(snapshots.after[4], snapshots.before[4], rtol=0, atol=0)
     assert not torch.equal(snapshots.after[5][0], snapshots.before[5][0])  # the next step applies again
     # 7 applied steps of StepLR(gamma=0.5): the held step did not decay the LR.
@@ -529,7 +529,8 @@ def test_overflow_diagnostics_name_the_model_parameters() -> None:
 
     plugin = ours("16-mixed")
     fit(OneBadLayer(), plugin, steps=4)
-    assert plugin.skipped_steps == 1 and plugin.last_overflow_params == ["net.2.weight"]
+    skipped = [result for result in plugin.recent_steps if result.skipped]
+    assert plugin.skipped_steps == 1 and [result.overflow_params for result in skipped] == [["net.2.weight"]]
 
 
 def test_bf16_with_nothing_checked_still_steps_fp32_weights() -> None:
@@ -570,7 +571,7 @@ def test_manual_optimization_with_zero_grad_and_clipping_matches_lightnings_mixe
     plugin = ours("bf16-mixed")
     fit(model, plugin, steps=6)
     assert model.stale_grads == [0] * len(model.stale_grads)
-    assert plugin.last_grad_norm is not None and plugin.last_grad_norm > 0
+    assert (plugin.recent_steps[-1].grad_norm or 0) > 0
     torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
 
 

@@ -110,12 +110,12 @@ class Steps(pl.Callback):
         assert isinstance(plugin, MixedPrecisionPlugin | FSDPMixedPrecisionPlugin)
         self.steps.append(
             {
-                "skipped": plugin.last_step_skipped,
+                "skipped": plugin.recent_steps[-1].skipped,
                 "scale": None if plugin.scaler is None else plugin.scaler.get_scale(),
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
-                "grad_norm": plugin.last_grad_norm,
+                "grad_norm": plugin.recent_steps[-1].grad_norm,
                 "full_norm": self._norm,
-                "seen_norm": None if plugin.last_step_skipped else self._seen,
+                "seen_norm": None if plugin.recent_steps[-1].skipped else self._seen,
             }
         )
         self._seen = None
@@ -137,7 +137,7 @@ def record_fit(strategy: str, precision: str, master_weights: bool, **kwargs: An
         "steps": steps.steps,
         "params": full_parameters(trainer, model),
         "skipped_steps": trainer.precision_plugin.skipped_steps,  # type: ignore[attr-defined]
-        "held": trainer.precision_plugin.held_scheduler_steps,  # type: ignore[attr-defined]
+        "held": trainer.precision_plugin.engine.held_scheduler_steps,  # type: ignore[attr-defined]
     }
 
 
