@@ -205,9 +205,9 @@ class MixedPrecisionPlugin(Readings, Precision):
         if self.engine.check:
             set_up_ranks(self.engine, list(module.parameters()), model)
             self.engine.name_parameters(user_names(module))
-        if self.settings.hold_schedulers_on_skip:
+        if self.settings.hold_schedulers_on_skip and self.engine.check:  # nothing checked: no step is ever skipped
             for config in lr_schedulers:
-                self.engine.hold(getattr(config, "scheduler", config))
+                self.engine.held_schedulers.hold(getattr(config, "scheduler", config))
         return super().connect(model, optimizers, lr_schedulers)
 
     def _keep_modules_fp32(self, module: nn.Module) -> None:
@@ -234,7 +234,7 @@ class MixedPrecisionPlugin(Readings, Precision):
 
     @override
     def teardown(self) -> None:
-        self.engine.release_schedulers()
+        self.engine.held_schedulers.release()
         self._remove_fp32_hooks()
         super().teardown()
 

@@ -102,6 +102,8 @@ class StepEngine:
         seed: the seed of the stochastic-rounding streams.
 
     Attributes:
+        held_schedulers: the LR schedulers held still while their optimizer's steps are skipped (``hold``,
+            ``release``, ``held_steps``), and the ledger of steps they consult.
         process_group: a ``torch.distributed`` process group over which every rank takes the same skip decision (the
             norm is reduced with MAX; the plugins set it under DDP).
         sharding: set when the gradients are sharded (FSDP, FSDP2): one SUM all-reduce of each rank's weighted squared
@@ -134,7 +136,7 @@ class StepEngine:
         self._fused = PendingReads()
         self._positions: dict[int, int] = {}
         self._names: dict[int, str] = {}
-        self._held = schedulers.SchedulerHold()
+        self.held_schedulers = schedulers.SchedulerHold()
         self.compensators = None if compensation is None else Compensators(compensation, seed)
 
     # ------------------------------------------------------------------------------------------------ set-up
@@ -185,22 +187,8 @@ class StepEngine:
         """
         self.process_group, self.sharding = previous.process_group, previous.sharding
         self._positions, self._names = dict(previous._positions), dict(previous._names)
-        self._held, self.compensators = previous._held, previous.compensators
+        self.held_schedulers, self.compensators = previous.held_schedulers, previous.compensators
         self.recent_steps, self._recorded = previous.recent_steps, previous._recorded
-
-    def hold(self, scheduler: Any) -> None:
-        """Hold ``scheduler`` still while every step of its optimizer since its last step was skipped."""
-        if self.check:
-            self._held.hold(scheduler)
-
-    def release_schedulers(self) -> None:
-        """Give every held scheduler its own ``step`` back."""
-        self._held.release()
-
-    @property
-    def held_scheduler_steps(self) -> int:
-        """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
-        return self._held.ledger.held_steps
 
     # -------------------------------------------------------------------------------------------- the recipe
     def scale_loss(self, loss: Tensor) -> Tensor:
@@ -282,7 +270,7 @@ class StepEngine:
             raise RuntimeError("`step()` was already called for this optimizer: call `update()` first.")
         if step.stage is Stage.READY:
             params = _params_with_grads(optimizer)
-            if apply is None and self._takes_fused_path(optimizer, params):
+            if apply is None and _takes_fused_path(optimizer, params):
                 return self._step_fused(optimizer, step, params, kwargs)
             self._check(optimizer, step, params)
         if self._fused.entries:
@@ -377,7 +365,7 @@ class StepEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """The scaler's state, the scheduler steps held and, with compensation, each optimizer's compensator state."""
-        state: dict[str, Any] = {"held_scheduler_steps": self.held_scheduler_steps, "scaler": self.scaler_state_dict()}
+        state = {"held_scheduler_steps": self.held_schedulers.held_steps, "scaler": self.scaler_state_dict()}
         if self.compensators is not None:
             state["compensation"] = self.compensators.state_dict()
         return state
@@ -385,7 +373,7 @@ class StepEngine:
     def load_state_dict(self, scaler: Mapping[str, Any], held_scheduler_steps: int, compensation: Any = None) -> None:
         """Restore :meth:`state_dict`'s parts (a compensator not made yet gets its state when it is)."""
         self.load_scaler_state_dict(scaler)
-        self._held.ledger.held_steps = held_scheduler_steps
+        self.held_schedulers.ledger.held_steps = held_scheduler_steps
         if compensation is not None and self.compensators is not None:
             self.compensators.load_state_dict(compensation)
 
@@ -424,7 +412,7 @@ class StepEngine:
             backs_off = skipped and policy.backs_off_on_overflow()
             step.result.settle(skipped=skipped, scale=policy.scale, grad_norm=norm, backs_off=backs_off)
         if skipped:  # named now, while the gradients are there (a skipped step is rare: the lookup costs a pass)
-            step.result._names = self._named_nonfinite(optimizer, [p for p in params if p.grad is not None], None)
+            step.result._names = _nonfinite_names(self, optimizer, [p for p in params if p.grad is not None], None)
         step.params, step.stage = params, Stage.UNSCALED
 
     def _step_fused(self, optimizer: Optimizer, step: _Pass, params: list[Tensor], kwargs: dict[str, Any]) -> Any:
@@ -444,7 +432,7 @@ class StepEngine:
         step.stage, step.params = Stage.STEPPED, params
         result = step.result
         # The names are looked up later (on request), after zero_grad: the owners of the measured norms are kept now.
-        result._namer = lambda: self._named_nonfinite(optimizer, params, norms)
+        result._namer = lambda: _nonfinite_names(self, optimizer, params, norms)
         scale = None if self.loss_scale is None else self.loss_scale.tensor(device)
         if self.loss_scale is None:
             self._fused.add(result, torch.stack([flag, total]), None)
@@ -466,28 +454,12 @@ class StepEngine:
             del inner.grad_scale  # type: ignore[attr-defined]
             del inner.found_inf  # type: ignore[attr-defined]
 
-    def _takes_fused_path(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
-        """Whether ``optimizer`` can unscale and skip inside its own kernel, safely, this step."""
-        inner = _innermost(optimizer)
-        if not getattr(inner, "_step_supports_amp_scaling", False):
-            return False
-        kind = type(inner)
-        if kind not in _TAKES_GRAD_SCALER:  # GradScaler's old protocol, step(grad_scaler=...): GradScaler itself only
-            _TAKES_GRAD_SCALER[kind] = "grad_scaler" in inspect.signature(inner.step).parameters
-        if _TAKES_GRAD_SCALER[kind] or not params or any(p.grad is None or p.grad.is_sparse for p in params):
-            return False
-        if params[0].device.type not in _FUSED_DEVICE_TYPES:
-            return False
-        # torch's fused SGD with momentum creates its buffers uninitialised on its first step and keeps them even when
-        # found_inf skips it: that first step takes the unscale path (skipped on the host, no buffers made).
-        return not (isinstance(inner, torch.optim.SGD) and _sgd_buffers_missing(inner))
-
     def uses_fused_path(self, optimizer: Optimizer) -> bool:
         """Whether :meth:`step` would now take the fused path for ``optimizer`` (the optimizer unscales itself)."""
         step = self._passes.get(_key(optimizer))
         if not self.check or (step is not None and step.stage is not Stage.READY):
             return False
-        return self._takes_fused_path(optimizer, _params_with_grads(optimizer))
+        return _takes_fused_path(optimizer, _params_with_grads(optimizer))
 
     # -------------------------------------------------------------------------------------- counts, records
     def _count(self, results: list[StepResult]) -> None:
@@ -504,8 +476,8 @@ class StepEngine:
         result.index, result.optimizer = self._recorded, self._positions.setdefault(key, len(self._positions))
         self._recorded += 1
         self.recent_steps.append(result)
-        if self._held.schedulers:  # a held scheduler asks its optimizer's steps (only then are they noted)
-            self._held.ledger.record_outcome(optimizer, result)
+        if self.held_schedulers.schedulers:  # a held scheduler asks its optimizer's steps (only then are they noted)
+            self.held_schedulers.ledger.record_outcome(optimizer, result)
 
     def _position(self, optimizer: Optimizer) -> int:
         return self._positions.setdefault(_key(optimizer), len(self._positions))
@@ -513,19 +485,20 @@ class StepEngine:
     def _pass(self, optimizer: Optimizer) -> _Pass:
         return self._passes.setdefault(id(_innermost(optimizer)), _Pass())
 
-    def _named_nonfinite(self, optimizer: Optimizer, owners: list[Tensor], norms: Tensor | None) -> list[str]:
-        """The names of ``owners`` whose gradient norm is non-finite (a host read, made only for a skipped step)."""
-        with torch.no_grad():
-            if norms is None:
-                grads = [p.grad for p in owners if p.grad is not None]
-                norms = measure(grads if self.sharding is None else local_views(grads), grads[0].device)
-        bad = set(torch.nonzero(~torch.isfinite(norms)).flatten().tolist())
-        groups = optimizer.param_groups
-        places = {id(p): f"param_groups[{g}][{i}]" for g, grp in enumerate(groups) for i, p in enumerate(grp["params"])}
-        return [self._names.get(id(p), places.get(id(p), "?")) for i, p in enumerate(owners) if i in bad]
-
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _nonfinite_names(engine: StepEngine, optimizer: Optimizer, owners: list[Tensor], norms: Tensor | None) -> list[str]:
+    """The names of ``owners`` whose gradient norm is non-finite (a host read, made only for a skipped step)."""
+    with torch.no_grad():
+        if norms is None:
+            grads = [p.grad for p in owners if p.grad is not None]
+            norms = measure(grads if engine.sharding is None else local_views(grads), grads[0].device)
+    bad = set(torch.nonzero(~torch.isfinite(norms)).flatten().tolist())
+    groups = optimizer.param_groups
+    places = {id(p): f"param_groups[{g}][{i}]" for g, grp in enumerate(groups) for i, p in enumerate(grp["params"])}
+    return [engine._names.get(id(p), places.get(id(p), "?")) for i, p in enumerate(owners) if i in bad]
+
+
 def _params(optimizer: Optimizer) -> Iterable[Tensor]:
     return (param for group in optimizer.param_groups for param in group["params"])
 
@@ -541,6 +514,23 @@ def _params_with_grads(optimizer: Optimizer) -> list[Tensor]:
                 param.grad = param.grad.coalesce()
             params.append(param)
     return params
+
+
+def _takes_fused_path(optimizer: Optimizer, params: list[Tensor]) -> bool:
+    """Whether ``optimizer`` can unscale and skip inside its own kernel, safely, this step."""
+    inner = _innermost(optimizer)
+    if not getattr(inner, "_step_supports_amp_scaling", False):
+        return False
+    kind = type(inner)
+    if kind not in _TAKES_GRAD_SCALER:  # GradScaler's old protocol, step(grad_scaler=...): GradScaler itself only
+        _TAKES_GRAD_SCALER[kind] = "grad_scaler" in inspect.signature(inner.step).parameters
+    if _TAKES_GRAD_SCALER[kind] or not params or any(p.grad is None or p.grad.is_sparse for p in params):
+        return False
+    if params[0].device.type not in _FUSED_DEVICE_TYPES:
+        return False
+    # torch's fused SGD with momentum creates its buffers uninitialised on its first step and keeps them even when
+    # found_inf skips it: that first step takes the unscale path (skipped on the host, no buffers made).
+    return not (isinstance(inner, torch.optim.SGD) and _sgd_buffers_missing(inner))
 
 
 def _innermost(optimizer: Optimizer) -> Optimizer:

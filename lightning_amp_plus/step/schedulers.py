@@ -143,6 +143,11 @@ class SchedulerHold:
         hold(scheduler, self.ledger)
         self.schedulers.append(scheduler)
 
+    @property
+    def held_steps(self) -> int:
+        """Scheduler steps held back because every step of their optimizer since the last one was skipped."""
+        return self.ledger.held_steps
+
     def release(self) -> None:
         """Give every held scheduler its own ``step`` back."""
         for scheduler in self.schedulers:

@@ -137,7 +137,7 @@ def record_fit(strategy: str, precision: str, master_weights: bool, **kwargs: An
         "steps": steps.steps,
         "params": full_parameters(trainer, model),
         "skipped_steps": trainer.precision_plugin.skipped_steps,  # type: ignore[attr-defined]
-        "held": trainer.precision_plugin.engine.held_scheduler_steps,  # type: ignore[attr-defined]
+        "held": trainer.precision_plugin.engine.held_schedulers.held_steps,  # type: ignore[attr-defined]
     }
 
 

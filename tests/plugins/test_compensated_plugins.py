@@ -131,7 +131,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_holds_the_schedule(comp
 
     plugin = bf16_true(compensation)
     trainer = train(model, plugin, steps=8, callbacks=[Weights()])
-    assert plugin.skipped_steps == 1 and plugin.engine.held_scheduler_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.held_schedulers.held_steps == 1
     torch.testing.assert_close(weights[5], weights[4], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-3  # 7 applied steps of StepLR(step_size=20)

@@ -135,5 +135,5 @@ def test_a_held_scheduler_reads_a_fused_steps_outcome_when_it_steps() -> None:
     model = TinyRegressor(overflow_steps={2}, optimizer="fused_adam", scheduler="step")
     plugin = ours("16-mixed")
     trainer, _ = fit(plugin, model, steps=6)
-    assert plugin.skipped_steps == 1 and plugin.engine.held_scheduler_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.held_schedulers.held_steps == 1
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)  # 5 applied steps

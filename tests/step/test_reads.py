@@ -31,7 +31,7 @@ def read_everything(scaler: DynamicLossScaler, opt: torch.optim.Optimizer) -> li
         scaler.get_backoff_factor(),
         scaler.get_growth_interval(),
         scaler.engine.skipped_steps,
-        scaler.engine.held_scheduler_steps,
+        scaler.engine.held_schedulers.held_steps,
         repr(scaler),
     ]
     for result in results:

@@ -61,9 +61,11 @@ def test_a_plugin_holding_schedulers_pickles_for_ddp_spawn() -> None:
     from lightning_amp_plus import MixedPrecisionPlugin
 
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
-    plugin.engine._held.ledger.record_outcome(object(), Known(skipped=True))
+    plugin.engine.held_schedulers.ledger.record_outcome(object(), Known(skipped=True))
     copy = pickle.loads(pickle.dumps(plugin))
-    assert copy.engine.held_scheduler_steps == 0 and copy.settings.master_weights and copy.precision == "bf16-mixed"
+    assert (
+        copy.engine.held_schedulers.held_steps == 0 and copy.settings.master_weights and copy.precision == "bf16-mixed"
+    )
 
 
 class Pending:
