@@ -32,7 +32,7 @@ from lightning_amp_plus.monitor.examiner import Examiner, Replay, trainer_replay
 from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
 from lightning_amp_plus.monitor.step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
 from lightning_amp_plus.monitor.summary import summary
-from lightning_amp_plus.plugins.core import user_names
+from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.grads import nonfinite_names
 from lightning_amp_plus.step.outcome import StepResult

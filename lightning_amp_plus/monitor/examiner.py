@@ -23,7 +23,8 @@ from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, measure_headroom
 from lightning_amp_plus.diagnostics.replay import RngState
 from lightning_amp_plus.monitor.history import AmpHistory
-from lightning_amp_plus.plugins.core import half_dtype, unwrapped
+from lightning_amp_plus.plugins.core import half_dtype
+from lightning_amp_plus.plugins.wrappers import unwrapped
 from lightning_amp_plus.step.outcome import StepResult
 
 __all__ = ["Examiner", "Replay", "trainer_replay"]

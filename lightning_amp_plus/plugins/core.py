@@ -2,7 +2,7 @@
 
 No framework hooks here: the checks a plugin makes of its arguments (each error names the plugin, the argument, the
 value and the fix), the step engine a precision gets, what every plugin shows of it (:class:`Readings`), and how the
-engine learns where the gradients live across ranks.
+engine learns where the gradients live across ranks (:mod:`~.ranks`).
 """
 
 from __future__ import annotations
@@ -15,17 +15,13 @@ from typing import Any
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
-from lightning.fabric.wrappers import _FabricModule
-from torch import Tensor, nn
-from torch._dynamo.eval_frame import OptimizedModule
-from torch.distributed.fsdp import FullyShardedDataParallel
-from torch.nn.parallel import DistributedDataParallel
+from torch import nn
 
 from lightning_amp_plus._checks import check_bool, check_int
+from lightning_amp_plus.plugins.ranks import fsdp2_policy
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.outcome import StepResult
 from lightning_amp_plus.step.scaler import DynamicLossScaler
-from lightning_amp_plus.step.sharding import Sharding, is_dtensor
 from lightning_amp_plus.weights.compensated import Method
 
 __all__ = [
@@ -44,17 +40,10 @@ __all__ = [
     "checked_settings",
     "default_device",
     "engine_for",
-    "fsdp2_policy",
     "half_dtype",
     "plugin_str",
     "refuse_deepspeed",
     "refuse_for_half_weights",
-    "refuse_sharded_master_weights",
-    "set_up_ranks",
-    "sharding_of",
-    "unwrapped",
-    "user_names",
-    "world_size",
 ]
 
 PRECISIONS = ("16-mixed", "bf16-mixed", "bf16-true")
@@ -331,100 +320,9 @@ def check_module_types(name: str, option: str, value: object) -> tuple[type[nn.M
     return tuple(value)
 
 
-def set_up_ranks(engine: StepEngine, params: Sequence[Tensor], wrapper: nn.Module | None = None) -> None:
-    """One skip decision for all ranks: a sharded sum under FSDP/FSDP2, a MAX over the world under DDP."""
-    sharding = sharding_of(params, wrapper)
-    if sharding is not None:
-        # Each rank holds a shard: one weighted SUM over the world gives the norm and the skip decision.
-        engine.sharding = sharding
-    elif world_size() > 1 and engine.process_group is None:
-        # An overflow seen on one rank only (a rank-local fault, unused parameters) must skip the step everywhere,
-        # or the replicas drift apart.
-        engine.process_group = torch.distributed.group.WORLD
-
-
-def refuse_sharded_master_weights(name: str, module: nn.Module) -> None:
-    """Under FSDP2 the FP32 shards are the masters already: half compute is FSDP2's own policy."""
-    sharded = [param_name for param_name, p in module.named_parameters() if _is_dtensor(p)]
-    if sharded:
-        raise ValueError(
-            f"{name}(master_weights=True) does not apply to sharded (DTensor) parameters ({', '.join(sharded[:3])}, "
-            "...): under ModelParallelStrategy the FP32 shards are the master weights. Compute in half through "
-            "FSDP2's own policy instead: `fully_shard(module, mp_policy=plugin.mp_policy)` in configure_model, with "
-            "master_weights=False."
-        )
-
-
-def user_names(module: nn.Module) -> list[tuple[str, Tensor]]:
-    """Parameter names as the user wrote them, for diagnostics.
-
-    Fabric's, DDP's and ``torch.compile``'s wrappers are looked through (their ``named_parameters()`` prefix every name
-    with ``_forward_module.``, ``module.`` or ``_orig_mod.``), and FSDP1's ``_fsdp_wrapped_module.`` is dropped.
-    """
-    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in unwrapped(module).named_parameters()]
-
-
-def unwrapped(module: nn.Module) -> nn.Module:
-    """The user's own module inside Fabric's ``_FabricModule``, DDP, FSDP1 and ``torch.compile``'s wrappers (nested).
-
-    Only these wrappers are looked through: a ``module`` attribute of any other module (a LightningModule's included)
-    is the user's own submodule.
-    """
-    while True:
-        if isinstance(module, (_FabricModule, DistributedDataParallel, FullyShardedDataParallel)):
-            module = module.module
-        elif isinstance(module, OptimizedModule):
-            module = module._orig_mod
-        else:
-            return module
-
-
-def world_size() -> int:
-    """The number of processes (1 without torch.distributed)."""
-    dist = torch.distributed
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
 def default_device() -> str:
     """The autocast device when none was given or found."""
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _is_dtensor(param: Tensor) -> bool:
-    return is_dtensor(param) or is_dtensor(param.data)
-
-
-def sharding_of(params: Sequence[Tensor], wrapper: nn.Module | None = None) -> Sharding | None:
-    """How the gradients are spread over the ranks: ``None`` unless sharded (FSDP's flat shards, FSDP2's DTensors).
-
-    Args:
-        params: the parameters (the model's, or an optimizer's).
-        wrapper: the model as the strategy wrapped it, if known (the Trainer's plugins see it; Fabric's do not).
-    """
-    world = world_size()
-    if any(_is_dtensor(param) for param in params):
-        # FSDP2: DTensor gradients say where they live; a parameter left as a plain tensor is on every rank.
-        return Sharding(replicas=world)
-    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
-
-    if isinstance(wrapper, FullyShardedDataParallel):
-        # FSDP1: a FULL_SHARD / SHARD_GRAD_OP shard lives on one rank, a NO_SHARD one on all, a HYBRID_SHARD one on
-        # every replica of the shard group.
-        if wrapper.sharding_strategy == ShardingStrategy.NO_SHARD:
-            return Sharding(replicas=world)
-        group = wrapper.process_group
-        return Sharding(replicas=world if group is None else world // group.size())
-    if any(getattr(param, "_fsdp_flattened", False) or getattr(param, "_is_flat_param", False) for param in params):
-        # FSDP1 seen from its parameters only (Fabric): taken as fully sharded over the world, its default.
-        return Sharding(replicas=1)
-    return None
-
-
-def fsdp2_policy(half_dtype: torch.dtype) -> Any:
-    """FSDP2's ``MixedPrecisionPolicy`` for half compute over FP32 shards, gradients reduce-scattered in FP32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    return MixedPrecisionPolicy(param_dtype=half_dtype, reduce_dtype=torch.float32)
 
 
 def refuse_deepspeed(name: str, model: object, framework: str) -> None:

@@ -50,10 +50,9 @@ from lightning_amp_plus.plugins.core import (
     engine_for,
     half_dtype,
     refuse_deepspeed,
-    refuse_sharded_master_weights,
-    set_up_ranks,
-    user_names,
 )
+from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_up_ranks
+from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_

@@ -41,11 +41,9 @@ from lightning_amp_plus.plugins.core import (
     half_dtype,
     plugin_str,
     refuse_deepspeed,
-    refuse_sharded_master_weights,
-    set_up_ranks,
-    unwrapped,
-    user_names,
 )
+from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_up_ranks
+from lightning_amp_plus.plugins.wrappers import unwrapped, user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32

@@ -25,15 +25,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus.plugins import state as _plugin_state
-from lightning_amp_plus.plugins.core import (
-    DEFAULT_SKIPS,
-    Readings,
-    check_fsdp_precision,
-    half_dtype,
-    plugin_str,
-    unwrapped,
-)
+from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, Readings, check_fsdp_precision, half_dtype, plugin_str
 from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting
+from lightning_amp_plus.plugins.wrappers import unwrapped
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 

@@ -48,7 +48,7 @@ from torch import Tensor, nn
 import lightning_amp_plus
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor
 from lightning_amp_plus.fabric import FSDPMixedPrecisionPlugin, MixedPrecisionPlugin
-from lightning_amp_plus.plugins.core import user_names
+from lightning_amp_plus.plugins.wrappers import user_names
 
 pytestmark = pytest.mark.filterwarnings(r"ignore:.*MixedPrecisionPlugin\('16-mixed'\) on CPU:UserWarning")
 
