@@ -8,8 +8,10 @@ What is measured
     * ``roofline``: one in-place multiply over the same bytes (``flat.mul_(1.0)`` on the buffer the gradients live in;
       ``torch._foreach_mul_(grads, 1.0)`` is shown beside it). One read and one write of every gradient: nothing that
       must unscale the gradients can be faster.
-    * ``ours``: ``DynamicLossScaler.unscale_(opt)`` (unscale, non-finite check and global norm in one pass, plus the
-      one host sync for the skip decision), and with clipping ``unscale_`` + ``DynamicLossScaler.clip_grad_norm_``.
+    * ``ours``: without clipping, the check ``DynamicLossScaler.step`` makes when nothing clips
+      (``scaler.engine.prepare(opt, exact=False)``: unscale and global norm in one cache-hot pass, plus the one host
+      sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit for bit: a second
+      read) + ``DynamicLossScaler.clip_grad_norm_``.
     * ``torch``: ``torch.amp.GradScaler.unscale_(opt)`` plus the ``found_inf`` read that ``GradScaler.step`` does (the
       host sync), and with clipping also ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. GradScaler refuses fp16
       gradients ("Attempting to unscale FP16 gradients"), so for fp16 the torch reference calls the fused kernel
@@ -161,7 +163,8 @@ class Methods:
 
     # ours
     def ours_unscale(self) -> None:
-        self.ours.unscale_(self.gs.optimizer)
+        # The check step() makes when nothing clips: unscale and measure in one cache-hot pass.
+        self.ours.engine.prepare(self.gs.optimizer, exact=False)
 
     def ours_clip_large(self) -> None:
         self.ours.unscale_(self.gs.optimizer)

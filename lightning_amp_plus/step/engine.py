@@ -50,7 +50,14 @@ from torch.optim import Optimizer
 from lightning_amp_plus._checks import is_int, read_count, require
 from lightning_amp_plus.step import schedulers
 from lightning_amp_plus.step.float32 import f32
-from lightning_amp_plus.step.grads import clip_by_norm_, global_norm, measure, sharded_norm, unscale_
+from lightning_amp_plus.step.grads import (
+    clip_by_norm_,
+    global_norm,
+    measure,
+    sharded_norm,
+    unscale_,
+    unscale_and_measure_,
+)
 from lightning_amp_plus.step.outcome import BF16_STALL, PENDING_MAX, PendingReads, SkipCounter, Stall, StepResult
 from lightning_amp_plus.step.policy import LossScale
 from lightning_amp_plus.step.sharding import Sharding, local_views, max_across_ranks
@@ -195,8 +202,14 @@ class StepEngine:
         """The loss to call ``backward()`` on: multiplied by the loss scale under fp16, as it is otherwise."""
         return loss if self.loss_scale is None else loss * self.loss_scale.tensor(loss.device)
 
-    def prepare(self, optimizer: Optimizer) -> None:
+    def prepare(self, optimizer: Optimizer, *, exact: bool = True) -> None:
         """Unscale, check and measure ``optimizer``'s gradients (once per step; a second call does nothing).
+
+        Args:
+            optimizer: the optimizer whose gradients to prepare.
+            exact: measure the norm as ``clip_grad_norm_`` does, bit for bit (a clip may follow; a second read of the
+                gradients); ``False`` when nothing clips: one pass measures as it unscales, the norm equal within
+                float32 rounding (what :meth:`step` does when it checks the gradients itself).
 
         Raises:
             RuntimeError: ``optimizer`` already stepped this iteration (call ``end_batch()`` first).
@@ -207,7 +220,7 @@ class StepEngine:
         if step.stage is Stage.STEPPED:
             raise RuntimeError("`unscale_()` was called after `step()` for this optimizer: call `update()` first.")
         if step.stage is Stage.READY:
-            self._check(optimizer, step, _params_with_grads(optimizer))
+            self._check(optimizer, step, _params_with_grads(optimizer), exact)
 
     def clip_by_norm(self, optimizer: Optimizer, max_norm: float) -> float:
         """Clip to a global norm of ``max_norm`` with the measured norm (``clip_grad_norm_``'s result, bit for bit).
@@ -272,7 +285,7 @@ class StepEngine:
             params = _params_with_grads(optimizer)
             if apply is None and _takes_fused_path(optimizer, params):
                 return self._step_fused(optimizer, step, params, kwargs)
-            self._check(optimizer, step, params)
+            self._check(optimizer, step, params, exact=False)  # checked here: nothing clips after this
         if self._fused.entries:
             self._count(self._fused.take())  # a limit the fused steps before this one reached
         step.stage = Stage.STEPPED
@@ -389,21 +402,28 @@ class StepEngine:
         return state
 
     # -------------------------------------------------------------------------------------------- the checks
-    def _check(self, optimizer: Optimizer, step: _Pass, params: list[Tensor]) -> None:
-        """The unscale path's pass: unscale, check and measure ``params``' gradients; one host read."""
+    def _check(self, optimizer: Optimizer, step: _Pass, params: list[Tensor], exact: bool = True) -> None:
+        """The unscale path's pass: unscale, check and measure ``params``' gradients; one host read.
+
+        ``exact``: the norm is ``clip_grad_norm_``'s bit for bit (a clip may follow), at the cost of a second read of
+        the gradients after the unscale; otherwise (nothing will clip) one cache-hot pass measures as it unscales.
+        """
         policy = None if self.loss_scale is None else self.loss_scale.settle()
         grads = [p.grad for p in params if p.grad is not None]
+        device = grads[0].device if grads else torch.device("cpu")
         with torch.no_grad():
-            if policy is not None:
-                # 1 / scale rounded once to float32, as GradScaler computes it.
-                unscale_(grads if self.sharding is None else local_views(grads), f32(1.0 / policy.scale))
-            device = grads[0].device if grads else torch.device("cpu")
             if self.sharding is not None:
+                if policy is not None:
+                    unscale_(local_views(grads), f32(1.0 / policy.scale))
                 total = sharded_norm(grads, self.sharding, device)
+            elif policy is not None and not exact:
+                total = unscale_and_measure_(grads, f32(1.0 / policy.scale), device)
             else:
+                if policy is not None:
+                    unscale_(grads, f32(1.0 / policy.scale))  # 1 / scale rounded once to float32, as GradScaler's
                 total = global_norm(grads, device)
-                if self.process_group is not None:
-                    total = max_across_ranks(total, self.process_group)
+            if self.process_group is not None:
+                total = max_across_ranks(total, self.process_group)
             norm = float(total.item())  # the step's one host read: the skip, the clipping and the monitored norm
         skipped = not math.isfinite(norm)
         if policy is None:

@@ -30,11 +30,22 @@ from torch import Tensor
 from lightning_amp_plus.step.float32 import f32
 from lightning_amp_plus.step.sharding import Sharding, local_view, local_views
 
-__all__ = ["clip_by_norm_", "global_norm", "measure", "nonfinite_names", "sharded_norm", "unscale_"]
+__all__ = [
+    "PIECE",
+    "clip_by_norm_",
+    "global_norm",
+    "measure",
+    "nonfinite_names",
+    "sharded_norm",
+    "unscale_",
+    "unscale_and_measure_",
+]
 
 _NORM_DTYPE = torch.float32
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _HALF = (torch.float16, torch.bfloat16)
+PIECE = 1 << 18
+"""Elements of gradient measured while still in the cache after their unscale (1 MiB of float32)."""
 
 
 def _values(grad: Tensor) -> Tensor:
@@ -79,6 +90,47 @@ def unscale_(grads: Sequence[Tensor], inv_scale: float) -> None:
     for grad in grads:
         if grad.is_sparse:
             grad._values().mul_(inv_scale)
+
+
+@torch.no_grad()
+def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float, out_device: torch.device) -> Tensor:
+    """:func:`unscale_` and the global norm in one pass over memory: each piece is measured right after it is written.
+
+    On the CPU the gradients are cut into pieces of at most :data:`PIECE` elements (small tensors batched together up
+    to that size); each batch is multiplied and then measured while it is still in the cache, so memory is read and
+    written once, as torch's fused check-and-unscale does. The norm is the same number as :func:`global_norm`'s summed
+    in another order: within float32 rounding, not bit for bit (clipping needs torch's exact number: it takes
+    :func:`unscale_` then :func:`global_norm`). On other devices, and for sparse gradients, it is those two.
+
+    Examples:
+        >>> g = [torch.tensor([6.0, 8.0]), torch.tensor([24.0])]
+        >>> unscale_and_measure_(g, 0.5, torch.device("cpu")), g
+        (tensor(13.), [tensor([3., 4.]), tensor([12.])])
+    """
+    dense = [g for g in grads if not g.is_sparse and g.device.type == "cpu" and g.is_contiguous()]
+    if len(dense) != len(grads):
+        unscale_(grads, inv_scale)
+        return global_norm(grads, out_device)
+    norms: list[Tensor] = []
+    for indices in _by_device_and_dtype(dense).values():
+        accumulate = torch.float64 if dense[indices[0]].dtype == torch.float64 else _NORM_DTYPE
+        batch: list[Tensor] = []
+        size = 0
+        for index in indices:
+            for piece in torch.split(dense[index].view(-1), PIECE):
+                batch.append(piece)
+                size += piece.numel()
+                if size >= PIECE:
+                    torch._foreach_mul_(batch, inv_scale)
+                    norms.extend(torch._foreach_norm(batch, 2, dtype=accumulate))
+                    batch, size = [], 0
+        if batch:
+            torch._foreach_mul_(batch, inv_scale)
+            norms.extend(torch._foreach_norm(batch, 2, dtype=accumulate))
+    if not norms:
+        return torch.zeros((), dtype=_NORM_DTYPE, device=out_device)
+    total: Tensor = torch.linalg.vector_norm(torch.stack(norms).to(_NORM_DTYPE))
+    return total if total.device == out_device else total.to(out_device)
 
 
 @torch.no_grad()
