@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from lightning_amp_plus.step.grads import clip_by_norm_, global_norm, measure, nonfinite_names, unscale_
+from lightning_amp_plus.step.grads import (
+    PIECE,
+    clip_by_norm_,
+    global_norm,
+    measure,
+    nonfinite_names,
+    unscale_,
+    unscale_and_measure_,
+)
 
 CPU = torch.device("cpu")
 
@@ -174,3 +184,25 @@ def test_measure_keeps_the_order_of_interleaved_dtypes_and_sizes() -> None:
          torch.full((big,), 0.5, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.bfloat16)]  # fmt: skip
     expected = torch.stack([torch.linalg.vector_norm(t.double()) for t in g]).float()
     torch.testing.assert_close(measure(g, CPU), expected, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_unscale_and_measure_unscales_bit_for_bit_and_measures_within_float32_rounding(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    sizes = (3, PIECE - 1, PIECE + 5, 2 * PIECE + 7, 11)  # small ones batched, large ones cut into pieces
+    grads = [(torch.randn(n) * 64).to(dtype) for n in sizes]
+    expected = [g.clone() for g in grads]
+    norm = unscale_and_measure_(grads, 2.0**-6, torch.device("cpu"))
+    unscale_(expected, 2.0**-6)
+    for got, want in zip(grads, expected, strict=True):
+        assert torch.equal(got, want)  # the same multiply, element for element
+    # The same sum of squares taken in pieces: float32 accumulation error over ~800k terms, not bit for bit.
+    torch.testing.assert_close(norm, global_norm(expected), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_unscale_and_measure_makes_the_norm_non_finite_wherever_the_bad_value_is(bad: float) -> None:
+    for position in (0, PIECE + 3):
+        grads = [torch.ones(2 * PIECE), torch.ones(4)]
+        grads[0][position] = bad
+        assert not torch.isfinite(unscale_and_measure_(grads, 0.5, torch.device("cpu")))
