@@ -177,7 +177,8 @@ class PendingReads:
     def flags(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """The constant flags ``(0.0, 1.0)`` on ``device`` (exactly those: the CPU kernels skip only on 1.0)."""
         if device not in self._flags:
-            self._flags[device] = (torch.zeros((), device=device), torch.ones((), device=device))
+            one = torch.ones((), dtype=torch.float32, device=device)  # float32 whatever the default dtype (bf16-true)
+            self._flags[device] = (torch.zeros_like(one), one)
         return self._flags[device]
 
     def add(self, result: StepResult, values: Tensor, backs_off: Callable[[float, float], bool] | None) -> None:

@@ -110,16 +110,6 @@ def test_compensation_recovers_what_plain_bf16_true_loses_and_tracks_fp32() -> N
     assert losses["stochastic"] == pytest.approx(losses["fp32"], rel=0.02)
 
 
-def test_without_compensation_the_plugin_trains_as_lightnings_bf16_true() -> None:
-    torch.manual_seed(0)
-    reference = Student()
-    ours = copy.deepcopy(reference)
-    train(reference, precision="bf16-true", steps=12)
-    train(ours, bf16_true(None), steps=12)
-    assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
-    torch.testing.assert_close(parameters_of(ours), parameters_of(reference), rtol=0, atol=0)
-
-
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
 def test_a_step_with_non_finite_gradients_is_skipped_and_holds_the_schedule(compensation: str) -> None:
     model = Student(overflow_at=5)

@@ -7,7 +7,6 @@ Lightning's own plugin does with ``torch.amp.GradScaler``: the reference here, b
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,7 +20,6 @@ from helpers import (
     loader,
     make_trainer,
     our_plugin,
-    parameters_of,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
@@ -53,22 +51,6 @@ def fit(plugin: Any, model: TinyRegressor, steps: int = 10) -> tuple[pl.Trainer,
     trainer = make_trainer(plugin, max_steps=steps, max_epochs=-1, callbacks=[watch])
     trainer.fit(model, loader(n=8 * steps))
     return trainer, watch
-
-
-@pytest.mark.parametrize("master_weights", [False, True], ids=["fp32-model", "master-weights"])
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_a_fused_optimizer_trains_exactly_as_under_lightnings_plugin(precision: str, master_weights: bool) -> None:
-    overflow = {4} if precision == "16-mixed" else set()  # Lightning's bf16 plugin does not skip: no overflow there
-    torch.manual_seed(0)
-    reference = TinyRegressor(overflow_steps=overflow, optimizer="fused_adam", weight_decay=0.01)
-    model = copy.deepcopy(reference)
-    expected, their_scales = fit(lightnings(precision), reference)
-    plugin = ours(precision, master_weights, hold_schedulers_on_skip=False)
-    actual, our_scales = fit(plugin, model)
-    assert plugin.skipped_steps == len(overflow) and our_scales.scales == their_scales.scales
-    torch.testing.assert_close(parameters_of(model), parameters_of(reference), rtol=0, atol=0)
-    # The optimizer's state too, its step counter included (a skipped step does not count).
-    torch.testing.assert_close(actual.optimizers[0].state_dict(), expected.optimizers[0].state_dict(), rtol=0, atol=0)
 
 
 def test_the_plugins_step_reads_nothing_from_the_device_on_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
