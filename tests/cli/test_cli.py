@@ -343,6 +343,7 @@ def test_a_chart_without_matplotlib_is_a_usage_error(
 
 
 # ---------------------------------------------------------------------------------------- processes, Ctrl-C
+@pytest.mark.integration
 def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
     chart = tmp_path / "amp.png"
     # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
@@ -365,6 +366,7 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
 
 
+@pytest.mark.integration
 def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process_takes() -> None:
     # 32 samples in batches of 8 over 2 processes: each takes 16 samples an epoch, 2 steps. --lightning-info shows
     # Lightning's tips too, among them its advice to log epoch-level metrics with sync_dist=True under DDP.
@@ -381,6 +383,7 @@ def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process
 
 
 # ------------------------------------------------------------------------------------------- entry points
+@pytest.mark.integration
 def test_the_command_line_imports_neither_torch_nor_lightning_to_answer_help_or_refuse_a_flag() -> None:
     code = (
         "import sys\n"

@@ -8,6 +8,8 @@ from processes import amp_plus
 from lightning_amp_plus import cli
 from lightning_amp_plus.cli import compare
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 TINY = ["--num-train", "16", "--num-val", "8", "--batch-size", "8", "--width", "2", "--accelerator", "cpu",
         "--threads", "1"]  # fmt: skip
 

@@ -10,6 +10,8 @@ import torch
 from helpers import usage_error
 from processes import amp_plus
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 # 32 images in batches of 8: 4 steps an epoch.
 TINY = ["cnn", "--num-train", "32", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu",
         "--threads", "1", "--precision", "16-mixed"]  # fmt: skip

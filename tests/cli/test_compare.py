@@ -20,6 +20,8 @@ from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
 from lightning_amp_plus.cli._runs import build_datamodule, build_model
 from lightning_amp_plus.cli.compare import RunSpec, StepTimer, run_config_isolated
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 TINY = ["--num-train", "24", "--num-val", "16", "--batch-size", "8", "--width", "2", "--accelerator", "cpu"]
 CONFIGS = ["32-true", "lightning-bf16-mixed", "ours-bf16-mixed", "lightning-16-mixed", "ours-16-mixed"]
 

@@ -11,6 +11,8 @@ from types import ModuleType
 import processes
 import pytest
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 

@@ -51,6 +51,7 @@ from lightning_amp_plus.step import engine as step_engine
 from lightning_amp_plus.step.outcome import StepResult
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
     # The resumed runs take their batches from the step number, not the loader (see RankData).
     pytest.mark.filterwarnings("ignore:.*your dataloader is not resumable.*"),

@@ -39,6 +39,8 @@ from torch.distributed.tensor import DTensor
 from lightning_amp_plus import DynamicLossScaler
 from lightning_amp_plus.fabric import FSDPMixedPrecisionPlugin, MixedPrecisionPlugin
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 STEPS, FAULT_STEP, FAULT_RANK, MAX_NORM = 6, 2, 1, 0.25
 PRECISIONS = ("16-mixed", "bf16-mixed")
 STRATEGIES = ("ddp", "fsdp", "model_parallel")

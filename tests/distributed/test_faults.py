@@ -28,6 +28,7 @@ from torch.testing import assert_close
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
     # Resumed runs restart the (non-resumable) DataLoader; the batches come from the step number (see above).
     pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended"),

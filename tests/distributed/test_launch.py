@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from launch import run_pool, scenario
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=5)
 

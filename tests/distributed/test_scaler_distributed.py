@@ -21,6 +21,8 @@ from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 WORLD = 2
 STEPS = 8
 FAULT_STEP, FAULT_RANK = 3, 1

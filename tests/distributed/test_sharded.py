@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_amp_plus import MixedPrecisionPlugin
 
+pytestmark = pytest.mark.integration  # starts processes or runs whole commands
+
 STEPS = 4
 FAULT_RANK = 1
 N_PARAMS = sum(p.numel() for p in make_net().parameters())

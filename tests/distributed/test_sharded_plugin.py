@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_amp_plus import DynamicLossScaler, FSDPMixedPrecisionPlugin, MixedPrecisionMonitor, MixedPrecisionPlugin
 
-pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
+pytestmark = [pytest.mark.integration, pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)]
 
 STEPS = 5
 FAULT_STEP = 2

@@ -123,6 +123,7 @@ def test_library_calls_none_of_torchs_private_amp_kernels(module: str) -> None:
     assert not calls, f"{module} uses {calls}"
 
 
+@pytest.mark.integration
 def test_the_scaler_works_in_a_process_where_lightning_cannot_be_imported(tmp_path: Path) -> None:
     # A module finder that refuses lightning proves the scaler's import chain never needs it.
     code = f"""

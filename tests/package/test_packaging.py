@@ -49,6 +49,7 @@ def test_the_project_urls_point_home_docs_source_and_changelog() -> None:
     assert all(url.startswith("https://") for url in urls.values())
 
 
+@pytest.mark.integration
 def test_the_main_job_runs_without_the_optional_packages() -> None:
     # `pip install lightning-amp-plus` has none of the extras: `amp-plus train` must not need them.
     hidden = "matplotlib,jsonargparse,rich,tensorboard,hypothesis"

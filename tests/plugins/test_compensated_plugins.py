@@ -292,12 +292,14 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return run_pool({"ddp": ddp_scenario, "fsdp2": fsdp2_scenario}, tmp_path_factory.mktemp("compensated"))
 
 
+@pytest.mark.integration
 def test_under_ddp_both_replicas_step_alike(ranks: list[dict[str, Any]]) -> None:
     rank0, rank1 = scenario(ranks, "ddp")
     torch.testing.assert_close(rank0["params"], rank1["params"], rtol=0, atol=0)
     assert rank0["buffer_types"] == ["Tensor"] and rank0["local_numel"] == rank0["param_numel"]
 
 
+@pytest.mark.integration
 def test_under_fsdp2_the_buffers_follow_the_parameters_sharding(ranks: list[dict[str, Any]]) -> None:
     rank0, rank1 = scenario(ranks, "fsdp2")
     assert rank0["buffer_types"] == ["DTensor"]

@@ -572,6 +572,7 @@ print("OK")
 """
 
 
+@pytest.mark.integration
 def test_dtensor_parameters_get_dtensor_buffers_and_the_same_updates_as_plain_ones(tmp_path: Path) -> None:
     # A 1-rank gloo group (an in-memory store, no port) in its own process, so no process group leaks into the suite.
     root = Path(__file__).resolve().parents[2]
