@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from lightning_amp_plus import __version__
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
 from lightning_amp_plus.cli._argparse import Parser, plain_warnings
 from lightning_amp_plus.cli._checks import (
@@ -65,6 +66,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         choices=TASKS,
         default=DEFAULT_TASK,
+        metavar="model",  # what the help and the errors call it ("argument model: invalid choice: 'cnnn'")
         help="the model: cnn (CIFAR-10, the default) or lstm (IMDB)",
     )
     data = parser.add_argument_group("data")
@@ -166,6 +168,7 @@ def build_parser() -> Parser:
         description="Mixed-precision training with lightning-amp-plus: train, compare, doctor.",
         epilog="Run `amp-plus <command> --help` for a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     train_parser = commands.add_parser(
