@@ -5,7 +5,8 @@
   the commands (they import torch and Lightning; the parser does not, so ``--help`` answers at once).
 * Shared: ``_checks`` (argument types, paths, messages), ``_settings`` (``AmpSettings``: the mixed-precision options
   worded for Python or for the command line), ``_configs`` (the table of precision set-ups), ``_runs`` (device, data,
-  model and quiet Lightning runs).
+  model and quiet Lightning runs), ``_machine`` (what the machine holds and has free), ``_workers`` (the processes of
+  ``--devices N`` die with the command).
 """
 
 from lightning_amp_plus.cli._checks import UsageError

@@ -48,6 +48,7 @@ from lightning_amp_plus.cli._settings import (
     cli_amp_problem,
     train_settings,
 )
+from lightning_amp_plus.cli._workers import die_with_launcher
 
 __all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "main"]
 
@@ -213,7 +214,11 @@ def build_parser() -> Parser:
     loop.add_argument("--epochs", type=int_in(1), help="epochs (default 2)")
     loop.add_argument("--max-steps", type=int_in(1), default=-1, help="stop after this many optimizer steps")
     loop.add_argument(
-        "--devices", type=int_in(1), default=1, help="devices to train on (default 1; on CPU, one process each)"
+        "--devices",
+        type=int_in(1),
+        default=1,
+        help="devices to train on (default 1; on CPU, one process each, at most one per core and as many as memory "
+        "holds; a process left behind dies with the command)",
     )
     loop.add_argument(
         "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
@@ -338,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {...
         0
     """
+    die_with_launcher()  # in a worker of `--devices N`: never outlive the command that started it
     parser = build_parser()
     args = parser.parse_command(sys.argv[1:] if argv is None else argv)
     if args.command is None:

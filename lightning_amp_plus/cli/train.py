@@ -42,6 +42,7 @@ from lightning_amp_plus.cli._settings import (
     task_label,
     train_settings,
 )
+from lightning_amp_plus.cli._workers import launching_workers
 from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
 from lightning_amp_plus.monitor.chart import write_chart
 from lightning_amp_plus.monitor.summary import summary
@@ -126,7 +127,8 @@ def _fit(
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         trainer = _trainer(args, settings, device, amp, [*monitors, last_val, *extra], resume)
         try:
-            interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
+            with launching_workers():  # with --devices N, the other processes die with this one
+                interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
         except (KeyboardInterrupt, FloatingPointError) as stop:
             raise _stopped(stop, trainer, monitors, amp, during="training") from None
         if last_val.step != trainer.global_step:  # the numbers must describe the final weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import runpy
 import signal
@@ -364,6 +365,7 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two processes on the CPU need two cores")
 def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process_takes() -> None:
     # 32 samples in batches of 8 over 2 processes: each takes 16 samples an epoch, 2 steps. --lightning-info shows
     # Lightning's tips too, among them its advice to log epoch-level metrics with sync_dist=True under DDP.
