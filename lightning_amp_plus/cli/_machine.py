@@ -9,6 +9,7 @@ Every reading falls back to ``None`` (unknown) where the OS does not offer it, a
   training process started the same way holds at least as much.
 * :func:`idle_cores`: how many cores sat idle over a short sample, for the default thread count.
 * :func:`cpu_processes_problem`: whether ``--devices N`` CPU processes fit, worded as the error to print.
+* :func:`thread_choice`: the CPU threads each training process gets when ``--threads`` is not given: the idle cores.
 """
 
 from __future__ import annotations
@@ -16,13 +17,24 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from lightning_amp_plus._wording import plural
 
-__all__ = ["available_memory_mb", "cpu_processes_problem", "idle_cores", "private_memory_mb", "usable_cores"]
+__all__ = [
+    "available_memory_mb",
+    "cpu_processes_problem",
+    "idle_cores",
+    "private_memory_mb",
+    "thread_choice",
+    "usable_cores",
+]
 
 _KIB_PER_MB = 1024.0
+_IDLE_ENOUGH = 0.75
+"""The idle share that makes a core free for a training thread: torch's threads wait for each other at every
+operation, so a thread on a core another process keeps busy a quarter of the time slows the whole step."""
 _CGROUP = Path("/sys/fs/cgroup")
 
 
@@ -188,3 +200,45 @@ def cpu_processes_problem(
         f"--devices {devices} asks for {plural(devices, 'training process', 'training processes')} on the CPU, but "
         f"{why}. Use --devices {most} or fewer on this machine (--devices 1 trains in one process on every core)."
     )
+
+
+def thread_choice(
+    given: int | None, devices: int, environ: Mapping[str, str], idle: float | None, cores: int
+) -> tuple[int | None, str]:
+    """The CPU threads of each training process, and how the run's first line says why (``None``: torch's default).
+
+    ``--threads`` wins, then ``OMP_NUM_THREADS``; otherwise each of the ``devices`` processes gets its share of the
+    cores idle now (a core counts when it is idle three quarters of the time), at least one. On a machine shared with
+    other work, as many threads as cores wait on the busy ones at every operation: a small model trains faster on the
+    idle cores alone (measured in docs/benchmarks.md, "Threads").
+
+    Args:
+        given: ``--threads`` (``None``: not given).
+        devices: the training processes (``--devices``).
+        environ: the environment (``OMP_NUM_THREADS``).
+        idle: the idle cores (:func:`idle_cores`; ``None``: unknown, torch's default stays).
+        cores: the usable cores (:func:`usable_cores`).
+
+    Examples:
+        >>> thread_choice(None, 1, {}, 1.1, 2)
+        (1, '1 thread (1.1 of 2 cores idle; --threads N sets it)')
+        >>> thread_choice(None, 1, {}, 1.9, 2)[0], thread_choice(3, 1, {}, 0.2, 2)
+        (2, (3, '3 threads (--threads)'))
+        >>> thread_choice(None, 2, {}, 2.0, 2)[1], thread_choice(None, 1, {"OMP_NUM_THREADS": "4"}, 0.5, 8)[1]
+        ('1 thread each (2.0 of 2 cores idle; --threads N sets it)', '4 threads (OMP_NUM_THREADS)')
+    """
+    each = " each" if devices > 1 else ""
+    if given is not None:
+        return given, f"{plural(given, 'thread')}{each} (--threads)"
+    try:
+        from_env = int(environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        from_env = 0
+    if from_env > 0:
+        return from_env, f"{plural(from_env, 'thread')}{each} (OMP_NUM_THREADS)"
+    if idle is None:
+        return None, ""
+    free = max(1, math.floor(idle + 1 - _IDLE_ENOUGH))
+    threads = max(1, min(free, cores) // devices)
+    said = f"{plural(threads, 'thread')}{each} ({idle:.1f} of {plural(cores, 'core')} idle; --threads N sets it)"
+    return threads, said

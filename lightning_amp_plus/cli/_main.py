@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -37,6 +38,7 @@ from lightning_amp_plus.cli._checks import (
     int_in,
 )
 from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._settings import (
     COMPENSATIONS,
     DEFAULT_TASK,
@@ -50,7 +52,7 @@ from lightning_amp_plus.cli._settings import (
 )
 from lightning_amp_plus.cli._workers import die_with_launcher
 
-__all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "main"]
+__all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "console", "main"]
 
 PROG = "amp-plus"
 INTERRUPTED = 130
@@ -148,10 +150,13 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: run every configuration in this process (faster; the memory column is then a lower "
         "bound) instead of one process each",
     )
-    group.add_argument("--csv", metavar="PATH", help="write the table as CSV")
-    group.add_argument("--markdown", metavar="PATH", help="write the table and its footer as Markdown")
+    group.add_argument("--csv", metavar="PATH", help="write the table as CSV (never over a file: see --png)")
+    group.add_argument("--markdown", metavar="PATH", help="write the table and its footer as Markdown (see --png)")
     group.add_argument(
-        "--png", metavar="PATH.png", help="write a chart of step time, memory, loss and accuracy (needs matplotlib)"
+        "--png",
+        metavar="PATH.png",
+        help="write a chart of step time, memory, loss and accuracy (needs matplotlib); where a file has one of these "
+        "names, each output goes to the next free one (cmp-1.png...): no file is overwritten",
     )
 
 
@@ -208,7 +213,9 @@ def build_parser() -> Parser:
     amp.add_argument(
         "--max-consecutive-skips",
         type=int_in(0),
-        help="skipped steps in a row that stop training with a diagnosis (default 50; 0 never)",
+        help="skipped steps in a row that backing off could not help (16-mixed: at the scale's floor; bf16: every "
+        "skip) that stop training with a diagnosis (default 50; 0 never). Skips while the loss scale comes down "
+        "from its initial value do not count: a run may skip more steps than this in a row and go on",
     )
     loop = train_parser.add_argument_group("loop and outputs")
     loop.add_argument("--epochs", type=int_in(1), help="epochs (default 2)")
@@ -221,7 +228,10 @@ def build_parser() -> Parser:
         "holds; a process left behind dies with the command)",
     )
     loop.add_argument(
-        "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
+        "--report",
+        metavar="PATH.png",
+        help="write the monitor's chart here (a .png; needs matplotlib); where a file has that name, at the next free "
+        "one (amp-1.png...): no file is overwritten",
     )
     loop.add_argument(
         "--headroom",
@@ -353,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_request(args)
         run = _command(args.command)
-        with plain_warnings():  # "warning: ..." sentences, not "/path/to/file.py:419: ..."
+        with plain_warnings(), without_lightning_noise():  # "warning: ..." sentences; none that is not the user's
             run(args)
     except UsageError as error:
         _fail(args.command, str(error))
@@ -365,6 +375,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: stopped: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def console() -> int:
+    """The ``amp-plus`` console script (and ``python -m lightning_amp_plus``): :func:`main` on ``sys.argv``.
+
+    Once the command is done, Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's
+    exit handlers), and a Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130
+    (and a traceback from whatever exit handler it hit). Only here, not in :func:`main`, which a program may call.
+    """
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], object]:

@@ -214,8 +214,8 @@ def lightning_output(info: bool) -> Iterator[None]:
 
     Warnings stay visible: they may be the user's business. Not Lightning's ``PossibleUserWarning`` tips while its info
     lines are off (about data-loader workers, logging intervals, samplers: advice for code the user of this command
-    did not write), and never two that nobody running this command can act on: the model summary sizing our plugin's
-    weights at 32 bits, and a pytree deprecation inside Lightning 2.6.6.
+    did not write); the ones nobody running this command can act on are silenced around the whole command
+    (:mod:`._noise`).
     """
     loggers = _lightning_loggers()
     levels = [logger.level for logger in loggers]
@@ -226,8 +226,6 @@ def lightning_output(info: bool) -> Iterator[None]:
         with warnings.catch_warnings():
             if not info:
                 warnings.filterwarnings("ignore", category=PossibleUserWarning)
-            warnings.filterwarnings("ignore", message=r".*is not supported by the model summary.*")
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):

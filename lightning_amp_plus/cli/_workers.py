@@ -26,25 +26,33 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 @contextmanager
-def launching_workers() -> Iterator[None]:
+def launching_workers(threads: int | None = None) -> Iterator[None]:
     """While inside, processes started from this one (Lightning's launcher copies the environment) know its id.
 
+    Args:
+        threads: the CPU threads each of them takes (``OMP_NUM_THREADS``, which torch reads at import and which
+            keeps Lightning's launcher from choosing its own); ``None`` leaves it alone.
+
     Examples:
-        >>> with launching_workers():
-        ...     os.environ[LAUNCHER_PID] == str(os.getpid())
-        True
+        >>> with launching_workers(threads=1):
+        ...     os.environ[LAUNCHER_PID] == str(os.getpid()), os.environ["OMP_NUM_THREADS"]
+        (True, '1')
         >>> LAUNCHER_PID in os.environ
         False
     """
-    before = os.environ.get(LAUNCHER_PID)
-    os.environ[LAUNCHER_PID] = str(os.getpid())
+    inherited = {LAUNCHER_PID: str(os.getpid())}
+    if threads is not None:
+        inherited["OMP_NUM_THREADS"] = str(threads)
+    before = {name: os.environ.get(name) for name in inherited}
+    os.environ.update(inherited)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(LAUNCHER_PID, None)
-        else:
-            os.environ[LAUNCHER_PID] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def die_with_launcher() -> None:

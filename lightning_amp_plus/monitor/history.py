@@ -53,6 +53,8 @@ class AmpHistory:
     """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
     notes: list[str] = field(default_factory=list)
     """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
+    unreproduced: list[int] = field(default_factory=list)
+    """Skipped steps whose autopsy replayed the batch at the same scale and found every gradient finite."""
 
     @property
     def skipped(self) -> list[int]:

@@ -50,6 +50,15 @@ def test_the_help_and_the_error_call_the_positional_argument_the_model() -> None
     assert "model                 the model: cnn" in helped.stdout and "task" not in helped.stdout
 
 
+def test_the_help_says_which_skipped_steps_stop_training() -> None:
+    # A run that skips more steps in a row than --max-consecutive-skips while the scale comes down goes on: the help
+    # must not promise that any such run stops.
+    helped = " ".join(amp_plus("train", "--help", timeout=60).stdout.split())
+    flag = "--max-consecutive-skips MAX_CONSECUTIVE_SKIPS"
+    assert f"{flag} skipped steps in a row that backing off could not help" in helped
+    assert "Skips while the loss scale comes down from its initial value do not count" in helped
+
+
 def test_version_prints_the_packages_version_and_exits_0() -> None:
     from lightning_amp_plus import __version__
 
@@ -75,6 +84,16 @@ def test_train_without_a_model_says_it_chose_cnn_and_words_warnings_as_sentences
     everything = done.stdout + done.stderr
     for noise in ("UserWarning", "does not have many workers", "Total Flops", "LeafSpec", "GPU available", "litlogger",
                   "sync_dist", "`Trainer.fit` stopped"):  # fmt: skip
+        assert noise not in everything, noise
+
+
+def test_with_lightnings_summary_and_info_lines_shown_none_of_its_noise_comes_with_them() -> None:
+    done = amp_plus("train", *TINY, "--max-steps", "2", "--model-summary", "--lightning-info", timeout=180)
+    assert done.returncode == 0, done.stderr
+    everything = done.stdout + done.stderr
+    assert "Total params" in everything and "GPU available" in everything  # what was asked for is there
+    for noise in ("Trainer already configured with model summary", "is not supported by the model summary",
+                  "LeafSpec"):  # fmt: skip
         assert noise not in everything, noise
 
 
