@@ -113,3 +113,19 @@ def test_the_folders_the_examples_write_by_default_are_ignored_by_git(folder: st
     # runs/: examples/fabric_loop.py's --out; data/: the real datasets' --data-dir / --data.data_dir.
     ignored = [line.strip() for line in (REPO / ".gitignore").read_text().splitlines()]
     assert f"{folder}/" in ignored or f"/{folder}/" in ignored
+
+
+# ------------------------------------------------------------------------------------------------ numbers
+def test_the_readme_and_the_docs_home_give_compensated_bf16s_bytes_per_parameter_on_one_basis() -> None:
+    table = {
+        row.split("|")[1].strip(): int(row.split("|")[2])
+        for row in README.splitlines()
+        if row.startswith("| `") and re.match(r"\|[^|]+\| *\d+ *\|", row)
+    }
+    assert "gradients not counted" in README
+    readme = (table["`bf16-true` + Kahan (default)"], table["`bf16-true` + stochastic rounding"], table["`32-true`"])
+    home = (REPO / "docs" / "index.md").read_text()
+    said = re.search(r"(\d+) bytes per parameter of weights, compensation and optimizer\s+state \(Kahan\) or (\d+)"
+                     r" \(stochastic rounding\), against (\d+) for FP32 weights; gradients add", home)  # fmt: skip
+    assert said is not None
+    assert tuple(int(n) for n in said.groups()) == readme == (10, 8, 12)
