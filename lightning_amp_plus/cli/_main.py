@@ -102,7 +102,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--accelerator", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available, else CPU"
     )
-    run.add_argument("--threads", type=int_in(1), help="CPU threads for torch (default: torch's choice)")
+    run.add_argument(
+        "--threads",
+        type=int_in(1),
+        help="CPU threads for torch (train's default: as many as cores are idle when it starts, said on its first "
+        "line; compare's: torch's choice)",
+    )
     run.add_argument(
         "--seed",
         type=int_in(0, SEED_MAX, why=" (seeds are 32-bit: numpy's generator takes no larger)"),

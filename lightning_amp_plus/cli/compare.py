@@ -51,6 +51,7 @@ from lightning_amp_plus._paths import write_new, written_as
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
+from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._runs import (
     build_datamodule,
     build_model,
@@ -545,7 +546,8 @@ def _worker(argv: list[str]) -> None:
     spec_path, result_path = argv
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     try:
-        result = run_config(spec)
+        with without_lightning_noise():  # as in the command that started this worker
+            result = run_config(spec)
     except KeyboardInterrupt:
         raise SystemExit(_INTERRUPTED) from None
     Path(result_path).write_text(json.dumps(asdict(result)))

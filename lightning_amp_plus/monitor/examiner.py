@@ -85,10 +85,10 @@ class Examiner:
         if descending and _finite_loss(outputs):
             return  # the scale coming down from init_scale: routine, and a replay would only say "scale"
         found = replay.autopsy(rng, result.scale or 1.0, step)
+        # What the replay found, for the summary; None: finite at this scale, not a stable overflow of this batch.
+        history.replayed[step] = None if found is None else found.kind
         if found is None:
-            # Finite in the replay: not a stable overflow of this batch at this scale. Not counted; the summary says it.
-            history.unreproduced.append(step)
-            return
+            return  # not counted
         if descending and found.kind == "scale":
             return  # routine: not reported, not counted
         self._made += 1

@@ -85,7 +85,7 @@ def _scaled_skips(history: AmpHistory) -> str:
     batch's gradients finite at the same scale.
     """
     routine, unreproduced, unexplained = [], [], []
-    cured = {autopsy.step for autopsy in history.autopsies if autopsy.kind == "scale"}
+    cured = {step for step, kind in history.replayed.items() if kind == "scale"}
     highest_applied: float | None = None
     for batch in batches(history.steps):
         if not batch.skipped:
@@ -93,7 +93,7 @@ def _scaled_skips(history: AmpHistory) -> str:
                 highest_applied = max(batch.scale, highest_applied or batch.scale)
             continue
         grown = highest_applied is None or (batch.scale is not None and batch.scale > highest_applied)
-        if batch.step in history.unreproduced:
+        if batch.step in history.replayed and history.replayed[batch.step] is None:
             unreproduced.append(batch.step)
         elif grown or batch.step in cured:
             routine.append(batch.step)

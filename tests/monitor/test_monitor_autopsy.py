@@ -164,7 +164,7 @@ def test_a_nan_that_happens_once_is_not_called_a_routine_overflow(autopsy: bool)
     summary = monitor.summary()
     assert "routine" not in summary
     if autopsy:  # replayed: finite at the same scale
-        assert monitor.history.unreproduced == [4]
+        assert monitor.history.replayed == {4: None}
         assert (
             "step 4 had non-finite gradients that a replay of the batch at the same loss scale did not reproduce"
             in (summary)

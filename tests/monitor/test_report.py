@@ -55,7 +55,7 @@ def test_a_skip_at_a_scale_earlier_steps_passed_at_is_not_called_routine_and_say
 
 def test_a_skip_whose_replay_was_finite_is_said_not_to_be_a_stable_overflow() -> None:
     history = AmpHistory([StepEntry(s, 2.0**16, s == 10, None if s == 10 else 1.0, None) for s in range(20)],
-                         [(10, ROUTINE, ["w"])], unreproduced=[10])  # fmt: skip
+                         [(10, ROUTINE, ["w"])], replayed={10: None})  # fmt: skip
     text = summary(history)
     assert "routine" not in text
     assert (
@@ -69,7 +69,7 @@ def test_a_skip_right_after_the_scale_grew_is_routine_and_each_kind_of_skip_is_s
     # scale had grown); step 12 fails at a scale passed before and its replay was finite.
     scales = {0: 2.0**16, 1: 2.0**15, **dict.fromkeys(range(2, 6), 2.0**14), 6: 2.0**16}
     records = [StepEntry(s, scales.get(s, 2.0**15), s in (0, 1, 6, 12), 1.0, None) for s in range(16)]
-    text = summary(AmpHistory(records, [(s, ROUTINE, ["w"]) for s in (0, 1, 6, 12)], unreproduced=[12]))
+    text = summary(AmpHistory(records, [(s, ROUTINE, ["w"]) for s in (0, 1, 6, 12)], replayed={12: None}))
     assert (
         "steps 0-1 and 6 were fp16 overflows caught by the loss scaler, routine in dynamic loss scaling; step 12"
         in text
@@ -79,6 +79,15 @@ def test_a_skip_right_after_the_scale_grew_is_routine_and_each_kind_of_skip_is_s
     )
     grown = [StepEntry(s, 2.0**15 if s < 5 else 2.0**16, s == 5, 1.0, None) for s in range(8)]
     assert "the skipped step was an fp16 overflow caught by the loss scaler, routine" in summary(AmpHistory(grown))
+
+
+def test_a_skip_the_autopsy_found_finite_at_a_lower_scale_is_routine_also_when_that_cause_was_reported_before() -> None:
+    # The autopsy reports a cause once; a later skip with the same cause was examined all the same.
+    records = [StepEntry(s, 2.0**10, s in (5, 9), 1.0, None) for s in range(12)]
+    history = AmpHistory(records, [(5, ROUTINE, ["w"]), (9, ROUTINE, ["w"])], replayed={5: "scale", 9: "scale"})
+    text = summary(history)
+    assert "the skipped steps were fp16 overflows caught by the loss scaler, routine in dynamic loss scaling" in text
+    assert "not examined" not in text
 
 
 def test_a_run_that_ends_on_skipped_steps_is_not_called_routine() -> None:
