@@ -8,8 +8,9 @@ Run (synthetic data generated offline by default; every option also goes in a YA
     python examples/cifar_cnn.py fit --data lightning_amp_plus.data.CIFAR10DataModule --data.data_dir data
     python examples/cifar_cnn.py fit --print_config      # the full configuration, as YAML
 
-``--amp.*`` is ``lightning_amp_plus.cli.AmpSettings``: precision (32-true, 16-mixed, bf16-mixed), master_weights,
-init_scale / growth_interval / hysteresis (16-mixed), max_consecutive_skips, monitor, report_path. The subclass below
+``--amp.*`` is ``lightning_amp_plus.cli.AmpSettings``: precision (32-true, 16-mixed, bf16-mixed, bf16-true),
+master_weights, compensation (bf16-true: kahan, stochastic or none), init_scale / growth_interval / hysteresis
+(16-mixed), max_consecutive_skips, monitor, report_path, headroom_interval. The subclass below
 turns it into the Trainer's ``plugins`` (or ``precision="32-true"``) and adds the monitor to its callbacks: one group
 of flat options instead of a ``--trainer.plugins`` class path with a nested scaler. ``--trainer.*``, ``--model.*``
 (CifarCNN's arguments) and ``--data`` (any LightningDataModule class path, then ``--data.*``) are LightningCLI's own.
@@ -18,7 +19,9 @@ The Trainer's own precision settings win when given: ``--trainer.precision 16-mi
 attached; changing ``--amp.*`` plugin settings as well stops with a message saying which flag to use.
 The run's config is saved in the logger's run folder (``lightning_logs/version_N/config.yaml``), never over an
 existing file, and not at all when the logger is off (``RunFolderConfig`` below; the synthetic configs turn it off).
-Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
+A run given no length (``--trainer.max_epochs``, ``--trainer.max_steps`` or ``--trainer.max_time``) trains 2 epochs
+(Lightning's own default is 1,000). Ctrl-C takes Lightning's graceful shutdown (exit code 1); the monitor prints its
+summary of the steps taken and writes its chart first. Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_amp_plus.cli import AmpSettings
+from lightning_amp_plus.cli import AmpSettings, without_lightning_noise
 from lightning_amp_plus.models import CifarCNN
 
 
@@ -69,20 +72,25 @@ class AmpLightningCLI(LightningCLI):
                 kwargs.setdefault(key, value)
         except ValueError as error:
             self.parser.error(str(error))  # usage and message, exit code 2
+        trainer = config.get("trainer", {})
+        if all(trainer.get(key) in (None, -1) for key in ("max_epochs", "max_steps", "max_time")):
+            # Given no length, Lightning trains 1,000 epochs: every command of this script ends by itself instead.
+            kwargs.setdefault("max_epochs", 2)
         return super().instantiate_trainer(**kwargs)
 
 
 def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:
-    return AmpLightningCLI(
-        CifarCNN,
-        pl.LightningDataModule,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_callback=RunFolderConfig,  # in the run's own folder; never over an existing file
-        args=args,
-        run=run,
-        auto_configure_optimizers=False,  # CifarCNN configures its own optimizer and schedule
-    )
+    with without_lightning_noise():  # Lightning's warnings about itself, silenced in this script only
+        return AmpLightningCLI(
+            CifarCNN,
+            pl.LightningDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            save_config_callback=RunFolderConfig,  # in the run's own folder; never over an existing file
+            args=args,
+            run=run,
+            auto_configure_optimizers=False,  # CifarCNN configures its own optimizer and schedule
+        )
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@ Run:
     python examples/fabric_loop.py                         # bf16-mixed on CPU, ~10 s
     python examples/fabric_loop.py --precision 16-mixed    # fp16 with loss scaling (slow on CPU; for GPUs)
     python examples/fabric_loop.py --resume runs/fabric/checkpoint.ckpt   # continue from the halfway checkpoint
+
+Nothing is replaced: a second run's checkpoint goes to ``checkpoint-1.ckpt`` (and so on) and its chart to
+``amp-1.png``, as the script says; the logs go to a new ``runs/fabric/logs/version_N``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from lightning.fabric.loggers import CSVLogger
 from torch import Tensor, nn
 
 from lightning_amp_plus import MixedPrecisionMonitor
+from lightning_amp_plus.cli import without_lightning_noise
 from lightning_amp_plus.fabric import MixedPrecisionPlugin
 
 VOCAB, BLOCK, FOLLOWERS = 64, 32, 4
@@ -68,6 +73,12 @@ def markov_batch(iteration: int, batch_size: int) -> Tensor:
     return torch.stack(walk, dim=1)
 
 
+def free_name(path: Path) -> Path:
+    """``path``, or the first of ``checkpoint-1.ckpt``, ``checkpoint-2.ckpt``... no file has: none is replaced."""
+    candidates = itertools.chain([path], (path.with_name(f"{path.stem}-{n}{path.suffix}") for n in itertools.count(1)))
+    return next(candidate for candidate in candidates if not candidate.exists())
+
+
 def get_lr(learning_rate: float, it: int, warmup_iters: int, max_iters: int, min_lr: float) -> float:
     """litgpt's schedule: linear warm-up, then cosine decay to ``min_lr``."""
     if it < warmup_iters:
@@ -88,7 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=Path("runs/fabric"), help="logs, checkpoint and chart")
     parser.add_argument("--resume", type=Path, default=None, help="a checkpoint this script saved")
     args = parser.parse_args(argv)
+    with without_lightning_noise():  # Lightning's warnings about itself, silenced in this script only
+        return pretrain(args)
 
+
+def pretrain(args: argparse.Namespace) -> dict[str, Any]:
     if args.device == "cpu":
         torch.set_num_threads(1)  # a model this small gains nothing from more threads; on a busy CPU they stall
     plugin = MixedPrecisionPlugin(args.precision)
@@ -134,14 +149,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         loss_value = float(loss.detach())
         metrics = monitor.observe(plugin, model=model, step=step)  # this step's amp/... metrics
         fabric.log_dict({"loss": loss_value, "lr": lr, **metrics}, step=step)
-        last = plugin.recent_steps[-1]  # what this optimizer step did
+        last = plugin.recent_steps[-1]  # this optimizer step: skipped or not, its scale, norm, overflowing tensors
         if last.skipped:
             names = last.overflow_params
-            fabric.print(f"step {step}: skipped, non-finite gradients in {len(names)} tensors: {names[:2]}")
+            more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+            fabric.print(f"step {step}: skipped, non-finite gradients in {len(names)} tensors: {names[:2]}{more}")
         elif (step + 1) % 50 == 0:
             fabric.print(f"step {step}: loss {loss_value:.3f}, gradient norm {last.grad_norm:.3f}")
         if state["step_count"] == args.steps // 2 and args.resume is None:
-            fabric.save(args.out / "checkpoint.ckpt", state)
+            saved = free_name(args.out / "checkpoint.ckpt")  # a second run keeps the first one's checkpoint
+            fabric.save(saved, state)
+            fabric.print(f"step {step}: checkpoint saved to {saved}")
 
     fabric.logger.finalize("success")
     fabric.print(monitor.summary())

@@ -15,7 +15,9 @@ never less than the vocabulary it builds, so the embedding always fits.
 ``AmpLightningCLI``; there too ``--trainer.precision`` or a precision plugin in ``--trainer.plugins`` wins over
 ``--amp.*`` left at its defaults; and the same ``RunFolderConfig``: the config is saved in the logger's run folder,
 never over an existing file, not at all without a logger).
-Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
+A run given no length (``--trainer.max_epochs``, ``--trainer.max_steps`` or ``--trainer.max_time``) trains 2 epochs
+(Lightning's own default is 1,000). Ctrl-C takes Lightning's graceful shutdown (exit code 1); the monitor prints its
+summary of the steps taken and writes its chart first. Needs jsonargparse: ``pip install 'lightning-amp-plus[cli]'``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_amp_plus.cli import AmpSettings
+from lightning_amp_plus.cli import AmpSettings, without_lightning_noise
 from lightning_amp_plus.models import ImdbLSTM
 
 
@@ -73,20 +75,25 @@ class AmpLightningCLI(LightningCLI):
                 kwargs.setdefault(key, value)
         except ValueError as error:
             self.parser.error(str(error))  # usage and message, exit code 2
+        trainer = config.get("trainer", {})
+        if all(trainer.get(key) in (None, -1) for key in ("max_epochs", "max_steps", "max_time")):
+            # Given no length, Lightning trains 1,000 epochs: every command of this script ends by itself instead.
+            kwargs.setdefault("max_epochs", 2)
         return super().instantiate_trainer(**kwargs)
 
 
 def main(args: list[str] | None = None, run: bool = True) -> AmpLightningCLI:
-    return AmpLightningCLI(
-        ImdbLSTM,
-        pl.LightningDataModule,
-        subclass_mode_data=True,
-        seed_everything_default=0,
-        save_config_callback=RunFolderConfig,  # in the run's own folder; never over an existing file
-        args=args,
-        run=run,
-        auto_configure_optimizers=False,  # ImdbLSTM configures its own optimizer
-    )
+    with without_lightning_noise():  # Lightning's warnings about itself, silenced in this script only
+        return AmpLightningCLI(
+            ImdbLSTM,
+            pl.LightningDataModule,
+            subclass_mode_data=True,
+            seed_everything_default=0,
+            save_config_callback=RunFolderConfig,  # in the run's own folder; never over an existing file
+            args=args,
+            run=run,
+            auto_configure_optimizers=False,  # ImdbLSTM configures its own optimizer
+        )
 
 
 if __name__ == "__main__":

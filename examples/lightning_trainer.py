@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
+from lightning_amp_plus.cli import without_lightning_noise
 
 
 def blobs(n: int, features: int = 32, classes: int = 4, seed: int = 0) -> TensorDataset:
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser.add_argument("--epochs", type=int, default=6, help="epochs of 32 steps; resumes after half of them")
     parser.add_argument("--root", type=Path, default=None, help="where checkpoints go (a temporary folder if unset)")
     args = parser.parse_args(argv)
+    with without_lightning_noise():  # Lightning's warnings about itself, silenced in this script only
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
     root = args.root or Path(tempfile.mkdtemp(prefix="amp-plus-"))
     pl.seed_everything(0, verbose=False)
     data = DataLoader(blobs(2048), batch_size=64, shuffle=False)
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     first, _ = trainer(args.precision, args.epochs // 2, root)
     first.fit(ScheduledClassifier(), data)
     checkpoint = root / "half.ckpt"
-    first.save_checkpoint(checkpoint)
+    first.save_checkpoint(checkpoint, weights_only=False)  # the whole state (optimizer, plugin), to resume from
 
     second, plugin = trainer(args.precision, args.epochs, root)
     model = ScheduledClassifier()

@@ -1,18 +1,24 @@
-"""Checks that an output or data path can be used, made before any work starts and leaving no trace.
+"""Output and data paths: checks made before any work starts, leaving no trace, and writes that replace no file.
 
 Pure Python. Each check raises ``ValueError`` naming the argument as the user wrote it (``--report x.png`` or
-``report_path='x.png'``, see :func:`lightning_amp_plus._wording.shown`), the path and the fix.
+``report_path='x.png'``, see :func:`lightning_amp_plus._wording.shown`), the path and the fix. :func:`write_new`
+writes an output file under the name asked for or, when a file has that name already, the next free numbered one
+(``amp.png``, then ``amp-1.png``...): no file a user had is ever overwritten.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
 from lightning_amp_plus._wording import shown
 
-__all__ = ["check_data_dir", "check_output_dir", "check_output_file"]
+__all__ = ["check_data_dir", "check_output_dir", "check_output_file", "numbered", "written_as", "write_new"]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -123,3 +129,60 @@ def check_data_dir(path: str | os.PathLike[str], argument: str, download: bool) 
                 f"{said}: {why}, so the dataset cannot be downloaded there. Choose a folder you can write to."
             )
     return target
+
+
+def numbered(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """``path``, then the same name numbered: ``amp.png``, ``amp-1.png``, ``amp-2.png``...
+
+    Examples:
+        >>> import itertools
+        >>> [str(p) for p in itertools.islice(numbered("runs/amp.png"), 3)]
+        ['runs/amp.png', 'runs/amp-1.png', 'runs/amp-2.png']
+    """
+    target = Path(path)
+    yield target
+    for number in itertools.count(1):
+        yield target.with_name(f"{target.stem}-{number}{target.suffix}")
+
+
+def write_new(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]) -> Path:
+    """Write a new file with ``write(handle)`` at ``path`` or, if a file has that name, at the next free numbered name.
+
+    Each name is taken with an exclusive create (``open(..., "xb")``): a file that appears meanwhile is not
+    overwritten either. Missing folders are created; a write that fails leaves no partial file. Returns where the file
+    went (say it: :func:`written_as`).
+
+    Examples:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> [write_new(folder / "table.csv", lambda f: f.write(b"x")).name for _ in range(2)]
+        ['table.csv', 'table-1.csv']
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for candidate in numbered(target):
+        try:
+            handle = open(candidate, "xb")  # noqa: SIM115  (closed below, removed if the write fails)
+        except FileExistsError:
+            continue
+        try:
+            with handle:
+                write(handle)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                candidate.unlink()
+            raise
+        return candidate
+    raise AssertionError("unreachable: numbered() never ends")  # pragma: no cover
+
+
+def written_as(asked: str | os.PathLike[str], written: Path) -> str:
+    """Where an output went, said in full when it is not the name asked for.
+
+    Examples:
+        >>> written_as("amp.png", Path("amp.png")), written_as("amp.png", Path("amp-1.png"))
+        ('amp.png', 'amp-1.png (amp.png exists: it was left as it was)')
+    """
+    if Path(asked) == written:
+        return str(written)
+    return f"{written} ({asked} exists: it was left as it was)"

@@ -137,13 +137,13 @@ def check_ckpt_dir(ckpt_dir: str | None, resume: bool) -> None:
         )
     if held and not resume:
         shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
-        fix = (
-            f"To continue the run saved there, add --resume (it continues from {last}); to start a new run, give an "
-            "empty or new folder."
-            if last.is_file()
-            else "It has no last.ckpt for --resume to continue from: give an empty or new folder."
-        )
+        if last.is_file():
+            raise ValueError(
+                f"--ckpt-dir {ckpt_dir} already holds {shown}: a new run would put its checkpoints beside them and "
+                f"write its last.ckpt as last-v1.ckpt. To continue the run saved there, add --resume (it continues "
+                f"from {last}); to start a new run, give an empty or new folder."
+            )
         raise ValueError(
-            f"--ckpt-dir {ckpt_dir} already holds {shown}: a new run would put its checkpoints beside them (and "
-            f"write its last.ckpt as last-v1.ckpt). {fix}"
+            f"--ckpt-dir {ckpt_dir} already holds {shown}: a new run would put its checkpoints beside them. There is "
+            "no last.ckpt there for --resume to continue from: give an empty or new folder."
         )

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
+from lightning_amp_plus import __version__
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
 from lightning_amp_plus.cli._argparse import Parser, plain_warnings
 from lightning_amp_plus.cli._checks import (
@@ -36,6 +38,7 @@ from lightning_amp_plus.cli._checks import (
     int_in,
 )
 from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._settings import (
     COMPENSATIONS,
     DEFAULT_TASK,
@@ -47,8 +50,9 @@ from lightning_amp_plus.cli._settings import (
     cli_amp_problem,
     train_settings,
 )
+from lightning_amp_plus.cli._workers import die_with_launcher
 
-__all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "main"]
+__all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "console", "main"]
 
 PROG = "amp-plus"
 INTERRUPTED = 130
@@ -65,6 +69,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         choices=TASKS,
         default=DEFAULT_TASK,
+        metavar="model",  # what the help and the errors call it ("argument model: invalid choice: 'cnnn'")
         help="the model: cnn (CIFAR-10, the default) or lstm (IMDB)",
     )
     data = parser.add_argument_group("data")
@@ -97,7 +102,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--accelerator", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if available, else CPU"
     )
-    run.add_argument("--threads", type=int_in(1), help="CPU threads for torch (default: torch's choice)")
+    run.add_argument(
+        "--threads",
+        type=int_in(1),
+        help="CPU threads for torch (train's default: as many as cores are idle when it starts, said on its first "
+        "line; compare's: torch's choice)",
+    )
     run.add_argument(
         "--seed",
         type=int_in(0, SEED_MAX, why=" (seeds are 32-bit: numpy's generator takes no larger)"),
@@ -145,10 +155,13 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU: run every configuration in this process (faster; the memory column is then a lower "
         "bound) instead of one process each",
     )
-    group.add_argument("--csv", metavar="PATH", help="write the table as CSV")
-    group.add_argument("--markdown", metavar="PATH", help="write the table and its footer as Markdown")
+    group.add_argument("--csv", metavar="PATH", help="write the table as CSV (never over a file: see --png)")
+    group.add_argument("--markdown", metavar="PATH", help="write the table and its footer as Markdown (see --png)")
     group.add_argument(
-        "--png", metavar="PATH.png", help="write a chart of step time, memory, loss and accuracy (needs matplotlib)"
+        "--png",
+        metavar="PATH.png",
+        help="write a chart of step time, memory, loss and accuracy (needs matplotlib); where a file has one of these "
+        "names, each output goes to the next free one (cmp-1.png...): no file is overwritten",
     )
 
 
@@ -166,6 +179,7 @@ def build_parser() -> Parser:
         description="Mixed-precision training with lightning-amp-plus: train, compare, doctor.",
         epilog="Run `amp-plus <command> --help` for a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
     train_parser = commands.add_parser(
@@ -204,16 +218,25 @@ def build_parser() -> Parser:
     amp.add_argument(
         "--max-consecutive-skips",
         type=int_in(0),
-        help="skipped steps in a row that stop training with a diagnosis (default 50; 0 never)",
+        help="skipped steps in a row that backing off could not help (16-mixed: at the scale's floor; bf16: every "
+        "skip) that stop training with a diagnosis (default 50; 0 never). Skips while the loss scale comes down "
+        "from its initial value do not count: a run may skip more steps than this in a row and go on",
     )
     loop = train_parser.add_argument_group("loop and outputs")
     loop.add_argument("--epochs", type=int_in(1), help="epochs (default 2)")
     loop.add_argument("--max-steps", type=int_in(1), default=-1, help="stop after this many optimizer steps")
     loop.add_argument(
-        "--devices", type=int_in(1), default=1, help="devices to train on (default 1; on CPU, one process each)"
+        "--devices",
+        type=int_in(1),
+        default=1,
+        help="devices to train on (default 1; on CPU, one process each, at most one per core and as many as memory "
+        "holds; a process left behind dies with the command)",
     )
     loop.add_argument(
-        "--report", metavar="PATH.png", help="write the monitor's chart here, exactly (a .png; needs matplotlib)"
+        "--report",
+        metavar="PATH.png",
+        help="write the monitor's chart here (a .png; needs matplotlib); where a file has that name, at the next free "
+        "one (amp-1.png...): no file is overwritten",
     )
     loop.add_argument(
         "--headroom",
@@ -335,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {...
         0
     """
+    die_with_launcher()  # in a worker of `--devices N`: never outlive the command that started it
     parser = build_parser()
     args = parser.parse_command(sys.argv[1:] if argv is None else argv)
     if args.command is None:
@@ -344,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         check_request(args)
         run = _command(args.command)
-        with plain_warnings():  # "warning: ..." sentences, not "/path/to/file.py:419: ..."
+        with plain_warnings(), without_lightning_noise():  # "warning: ..." sentences; none that is not the user's
             run(args)
     except UsageError as error:
         _fail(args.command, str(error))
@@ -356,6 +380,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{PROG} {args.command}: stopped: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
+
+
+def console() -> int:
+    """The ``amp-plus`` console script (and ``python -m lightning_amp_plus``): :func:`main` on ``sys.argv``.
+
+    Once the command is done, Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's
+    exit handlers), and a Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130
+    (and a traceback from whatever exit handler it hit). Only here, not in :func:`main`, which a program may call.
+    """
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return code
 
 
 def _command(name: str) -> Callable[[argparse.Namespace], object]:

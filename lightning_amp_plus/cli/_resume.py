@@ -10,6 +10,7 @@ The command's own settings travel in the checkpoint as the state of :class:`RunR
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,16 @@ from typing_extensions import override
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import UsageError
 
-__all__ = ["ResumePoint", "RunRecord", "read_resume_point"]
+__all__ = ["MAY_CHANGE", "ResumePoint", "RunRecord", "read_resume_point"]
 
 # Settings that may change between a run and its continuation: where the data is read from and how fast.
 _FREE = frozenset({"num_workers", "data_dir", "download"})
+MAY_CHANGE = (
+    "--max-steps, --epochs, the outputs (--report, --headroom), the console flags, --threads, --devices, "
+    "--num-workers and --data-dir"
+)
+"""What a resumed run may change, as the refusal and docs/resuming.md say it: how long, what it writes and shows, and
+where and how fast it runs; nothing of the model, the data or the precision."""
 # The settings a flag of `amp-plus train` sets, named as the flag in messages.
 _FLAGS = frozenset(
     {"precision", "master_weights", "compensation", "width", "dropout", "lr", "hidden_dim", "embed_dim", "max_len",
@@ -43,6 +50,14 @@ class RunRecord(Callback):
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = dict(settings)
+        self.saved_step: int | None = None
+        """The global step of the last checkpoint this run saved (or resumed from): what ``last.ckpt`` holds."""
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self.saved_step = trainer.global_step
 
     @property
     @override
@@ -104,8 +119,8 @@ def read_resume_point(
     if differences:
         raise UsageError(
             f"--resume: {path} was saved by a run set up differently: {'; '.join(differences)}. A resumed run "
-            "continues the same model, data and precision: give the flags of that run (only --max-steps, --epochs and "
-            "the outputs may change), or start a new run in another --ckpt-dir."
+            f"continues the same model, data and precision: give the flags of that run (only {MAY_CHANGE} may change), "
+            "or start a new run in another --ckpt-dir."
         )
     step = int(checkpoint.get("global_step", 0))
     if step >= target:
@@ -121,12 +136,34 @@ def _load(path: Path) -> dict[str, Any]:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a truncated file, another format, a pickle weights_only refuses...
         raise UsageError(
-            f"--resume: {path} could not be read as a checkpoint ({type(error).__name__}: {str(error)[:200]}). "
-            "Remove it to start a new run in that folder, or choose another --ckpt-dir."
+            f"--resume: {path} could not be read as a checkpoint ({_unreadable(error)}). Remove it to start a new run "
+            "in that folder, or choose another --ckpt-dir."
         ) from None
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UsageError(f"--resume: {path} is not a Lightning checkpoint (no state_dict). Choose another --ckpt-dir.")
     return checkpoint
+
+
+def _unreadable(error: Exception) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in this command's words.
+
+    Never torch's own advice for a file that holds more than tensors and plain values ("re-run with weights_only set to
+    False"): that unpickles whatever the file holds, code included, and this command's checkpoints never need it.
+
+    Examples:
+        >>> _unreadable(pickle.UnpicklingError("Weights only load failed. Re-running with `weights_only=False`..."))
+        'it holds Python objects besides tensors and plain values, which no checkpoint of this command does; they are not loaded, as loading them could run code from the file'
+        >>> _unreadable(RuntimeError("PytorchStreamReader failed reading zip archive: failed finding central directory. This is..."))
+        'not a file torch can read: RuntimeError: PytorchStreamReader failed reading zip archive: failed finding central directory'
+    """  # noqa: E501
+    text = str(error)
+    if isinstance(error, pickle.UnpicklingError) or "weights_only" in text:
+        return (
+            "it holds Python objects besides tensors and plain values, which no checkpoint of this command does; they "
+            "are not loaded, as loading them could run code from the file"
+        )
+    first = text.split(". ", 1)[0].split("\n", 1)[0].strip().rstrip(".")[:200]
+    return f"not a file torch can read: {type(error).__name__}" + (f": {first}" if first else "")
 
 
 def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 
 from lightning_amp_plus import data as datasets
-from lightning_amp_plus.cli import doctor
+from lightning_amp_plus.cli import _machine, doctor
 from lightning_amp_plus.cli._checks import UsageError
 from lightning_amp_plus.cli._settings import PrecisionName, Task
 from lightning_amp_plus.data._download import DatasetUnavailableError
@@ -61,11 +61,20 @@ def resolve_accelerator(accelerator: str) -> str:
 
 
 def check_devices(device: str, devices: int) -> None:
-    """Refuse more CUDA devices than there are (on CPU, each device is a process: any number runs).
+    """Refuse more CUDA devices than there are, and more CPU processes than this machine's cores or memory hold.
+
+    On CPU each device is a process of its own (:func:`~._machine.cpu_processes_problem` says why cores and memory
+    bound them). What one process holds is measured on this one, torch and Lightning loaded: a lower bound.
 
     Examples:
-        >>> check_devices("cpu", 3)
+        >>> check_devices("cpu", 1)
     """
+    if device == "cpu" and devices > 1:
+        problem = _machine.cpu_processes_problem(
+            devices, _machine.usable_cores(), _machine.available_memory_mb(), _machine.private_memory_mb()
+        )
+        if problem is not None:
+            raise UsageError(problem)
     if device == "cuda" and devices > torch.cuda.device_count():
         raise UsageError(
             f"--devices {devices} was requested, but PyTorch sees {torch.cuda.device_count()} CUDA device(s) here. "
@@ -205,8 +214,8 @@ def lightning_output(info: bool) -> Iterator[None]:
 
     Warnings stay visible: they may be the user's business. Not Lightning's ``PossibleUserWarning`` tips while its info
     lines are off (about data-loader workers, logging intervals, samplers: advice for code the user of this command
-    did not write), and never two that nobody running this command can act on: the model summary sizing our plugin's
-    weights at 32 bits, and a pytree deprecation inside Lightning 2.6.6.
+    did not write); the ones nobody running this command can act on are silenced around the whole command
+    (:mod:`._noise`).
     """
     loggers = _lightning_loggers()
     levels = [logger.level for logger in loggers]
@@ -217,8 +226,6 @@ def lightning_output(info: bool) -> Iterator[None]:
         with warnings.catch_warnings():
             if not info:
                 warnings.filterwarnings("ignore", category=PossibleUserWarning)
-            warnings.filterwarnings("ignore", message=r".*is not supported by the model summary.*")
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
             yield
     finally:
         for logger, level in zip(loggers, levels, strict=True):

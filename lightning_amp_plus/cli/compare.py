@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import io
 import json
 import math
 import signal
@@ -46,9 +47,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_amp_plus._paths import write_new, written_as
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
+from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._runs import (
     build_datamodule,
     build_model,
@@ -403,18 +406,19 @@ def to_markdown(results: list[ConfigResult], footer: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_csv(results: list[ConfigResult], path: str | Path) -> None:
+def write_csv(results: list[ConfigResult], path: str | Path) -> Path:
     """The results as CSV, one row per configuration, raw numbers (empty cells for values not measured).
 
-    Missing folders are created.
+    Written at ``path``, or at the next free numbered name if a file has that name (never over it); missing folders
+    are created. Returns where it went.
     """
     names = [f.name for f in fields(ConfigResult)]
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=names)
-        writer.writeheader()
-        for result in results:
-            writer.writerow({key: "" if value is None else value for key, value in asdict(result).items()})
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=names)
+    writer.writeheader()
+    for result in results:
+        writer.writerow({key: "" if value is None else value for key, value in asdict(result).items()})
+    return write_new(path, lambda handle: handle.write(text.getvalue().encode()))
 
 
 # ---------------------------------------------------------------------------------------------------------- CLI
@@ -527,16 +531,14 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool) -> list[
 
 
 def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer: list[str], title: str) -> None:
+    # Each at the name asked for or, where a file has that name, the next free numbered one: none is overwritten.
     if args.csv is not None:
-        write_csv(results, args.csv)
-        print(f"CSV written to {args.csv}")
+        print(f"CSV written to {written_as(args.csv, write_csv(results, args.csv))}")
     if args.markdown is not None:
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(to_markdown(results, footer))
-        print(f"Markdown written to {args.markdown}")
+        markdown = to_markdown(results, footer).encode()
+        print(f"Markdown written to {written_as(args.markdown, write_new(args.markdown, lambda f: f.write(markdown)))}")
     if args.png is not None:
-        write_comparison_chart(results, args.png, title)
-        print(f"chart written to {args.png}")
+        print(f"chart written to {written_as(args.png, write_comparison_chart(results, args.png, title))}")
 
 
 def _worker(argv: list[str]) -> None:
@@ -544,7 +546,8 @@ def _worker(argv: list[str]) -> None:
     spec_path, result_path = argv
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     try:
-        result = run_config(spec)
+        with without_lightning_noise():  # as in the command that started this worker
+            result = run_config(spec)
     except KeyboardInterrupt:
         raise SystemExit(_INTERRUPTED) from None
     Path(result_path).write_text(json.dumps(asdict(result)))

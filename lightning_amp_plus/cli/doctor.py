@@ -1,8 +1,14 @@
 """``amp-plus doctor``: what this machine can do in mixed precision, measured, and which plugin settings fit it.
 
-It lists the devices (CPU model and threads; each CUDA device's name, compute capability and memory), finds out which
-dtypes autocast supports on each by running a tiny autocast matmul, measures matmul throughput in fp32, fp16 and bf16
-(a short benchmark sized to the device), and recommends ``MixedPrecisionPlugin`` settings with the reasons.
+It lists the devices (CPU model, threads and bf16 features; each CUDA device's name, compute capability and memory),
+finds out which dtypes autocast supports on each by running a tiny autocast matmul, measures matmul throughput in fp32,
+fp16 and bf16 (a short benchmark sized to the device), and recommends ``MixedPrecisionPlugin`` settings with the
+reasons.
+
+Whether a CPU computes bf16 natively is read from one place, the feature flags the OS lists (:func:`cpu_flags`:
+``avx512_bf16``, ``amx_bf16`` in ``/proc/cpuinfo``), with or without the benchmark: the recommendation is the same
+either way, and the measurement, when made, is reported beside it. Only where the flags cannot be read does the
+measured speed decide.
 
 Gathering (:func:`collect`) and judging (:func:`recommend`) are separate, so the judgement can be checked against any
 device, real or made up.
@@ -20,11 +26,14 @@ from typing import Any, Literal
 import torch
 
 __all__ = [
+    "BF16_FLAGS",
     "DTYPES",
     "DeviceReport",
     "Recommendation",
     "autocast_supported",
     "collect",
+    "cpu_bf16_native",
+    "cpu_flags",
     "cpu_name",
     "cuda_bf16_native",
     "format_report",
@@ -36,8 +45,13 @@ __all__ = [
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The dtypes measured, by the names the report uses."""
 
-# On CPU a bf16 matmul must beat fp32 by this much before mixed precision is worth its conversions (activations,
-# casts of every weight each forward): below it, the end-to-end step is slower, as measured on the dev machine.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""The CPU feature flags (as ``/proc/cpuinfo`` names them) of native bf16 arithmetic: AVX512-BF16 and AMX-BF16."""
+CPUINFO = "/proc/cpuinfo"
+
+# Where the flags cannot be read: on CPU a bf16 matmul must beat fp32 by this much before mixed precision is worth its
+# conversions (activations, casts of every weight each forward): below it, the end-to-end step is slower, as measured
+# on the dev machine.
 _CPU_SPEEDUP_NEEDED = 1.2
 # Benchmark budgets per dtype (seconds) and the largest square size tried: the whole doctor stays under ~5 s on CPU.
 _BUDGET_S = {"cpu": 0.5, "cuda": 0.3}
@@ -52,8 +66,9 @@ class DeviceReport:
         kind: ``"cpu"`` or ``"cuda"``.
         index: the CUDA device index (``None`` for the CPU).
         name: the CPU model or the GPU name.
-        details: CPU: ``logical_cores``, ``torch_threads``, ``vector_isa``; CUDA: ``capability`` (``"8.0"``),
-            ``memory_gib``, ``bf16_native``.
+        details: CPU: ``logical_cores``, ``torch_threads``, ``vector_isa``, ``bf16_native`` (from the feature flags;
+            ``None`` where they cannot be read) and ``bf16_flags`` (the native-bf16 flags found); CUDA: ``capability``
+            (``"8.0"``), ``memory_gib``, ``bf16_native``.
         autocast: dtype name -> whether ``torch.autocast`` ran a matmul in that dtype here.
         autocast_errors: dtype name -> why it did not (only for the unsupported ones).
         tflops: dtype name -> measured matmul throughput in TFLOP/s (``None`` when not measured).
@@ -130,6 +145,44 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_flags(cpuinfo: str | os.PathLike[str] = CPUINFO) -> frozenset[str] | None:
+    r"""The CPU's feature flags as the OS lists them (``flags`` in ``/proc/cpuinfo``), or ``None`` where it does not.
+
+    The one source of what the CPU can do: :func:`collect` reads it with or without the benchmark.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix="cpuinfo") as fake:
+        ...     _ = fake.write("processor : 0\nflags : fpu avx2 avx512f avx512_bf16\n")
+        ...     fake.flush()
+        ...     sorted(cpu_flags(fake.name))
+        ['avx2', 'avx512_bf16', 'avx512f', 'fpu']
+        >>> cpu_flags("/no/such/file") is None
+        True
+    """
+    try:
+        with open(cpuinfo) as lines:
+            for line in lines:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):  # x86; ARM calls them Features
+                    return frozenset(value.split())
+    except OSError:
+        return None
+    return None
+
+
+def cpu_bf16_native(flags: frozenset[str] | None) -> bool | None:
+    """Whether flags from :func:`cpu_flags` include native bf16 arithmetic (:data:`BF16_FLAGS`); ``None``: unknown.
+
+    Examples:
+        >>> cpu_bf16_native(frozenset({"avx2", "avx512f", "avx512_bf16"})), cpu_bf16_native(frozenset({"avx2"}))
+        (True, False)
+    """
+    if flags is None:
+        return None
+    return any(flag in flags for flag in BF16_FLAGS)
 
 
 def cuda_bf16_native(index: int) -> bool:
@@ -223,17 +276,24 @@ def _probe(
     return DeviceReport(kind, index, name, details, autocast, errors, tflops, sizes)
 
 
-def collect(benchmark: bool = True) -> list[DeviceReport]:
-    """Probe the CPU and every CUDA device: names, autocast support, and (``benchmark``) matmul throughput.
+def collect(benchmark: bool = True, cpuinfo: str | os.PathLike[str] = CPUINFO) -> list[DeviceReport]:
+    """Probe the CPU and every CUDA device: names, features, autocast support, and (``benchmark``) matmul throughput.
+
+    Args:
+        benchmark: measure matmul throughput (a few seconds on CPU).
+        cpuinfo: where the CPU's feature flags are read (:func:`cpu_flags`).
 
     Examples:
         >>> [report.kind for report in collect(benchmark=False)][:1]
         ['cpu']
     """
+    flags = cpu_flags(cpuinfo)
     cpu_details = {
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "vector_isa": torch.backends.cpu.get_cpu_capability(),
+        "bf16_native": cpu_bf16_native(flags),
+        "bf16_flags": [flag for flag in BF16_FLAGS if flags is not None and flag in flags],
     }
     reports = [_probe("cpu", None, cpu_name(), cpu_details, benchmark)]
     if torch.cuda.is_available():
@@ -255,9 +315,10 @@ def recommend(report: DeviceReport) -> Recommendation:
     * CUDA with native bf16 (Ampere or newer): ``bf16-mixed``: fp32's exponent range, so no loss scaling and no
       skipped steps, at fp16's speed.
     * CUDA without it (pre-Ampere): ``16-mixed`` with dynamic loss scaling.
-    * CPU: ``bf16-mixed`` only if a bf16 matmul was measured faster than fp32 (CPUs with AMX or AVX512-BF16); else
-      ``32-true``: mixed precision on such a CPU checks correctness but slows training down. fp16 is never
-      recommended on CPU (it has no fast fp16 path on any common CPU).
+    * CPU: ``bf16-mixed`` if its feature flags list native bf16 arithmetic (AMX-BF16 or AVX512-BF16), else
+      ``32-true``: mixed precision on such a CPU checks correctness but slows training down. Where the flags cannot
+      be read, a bf16 matmul measured at least 1.2x faster than fp32 decides. fp16 is never recommended on CPU (it has
+      no fast fp16 path on any common CPU).
     * ``master_weights`` is not recommended by itself: an FP32 model under ``*-mixed`` already steps FP32 weights; it
       is for a model built or loaded in half (the reasons say so, and what saves memory: ``bf16-true`` compensated).
 
@@ -284,7 +345,8 @@ def _recommend_cuda(report: DeviceReport) -> Recommendation:
         "master_weights: not needed for an FP32 model (under *-mixed its FP32 weights are the masters); set "
         "master_weights=True when the model is built or loaded in fp16/bf16, so it trains on FP32 masters. To hold "
         'less memory per parameter, MixedPrecisionPlugin("bf16-true") keeps bf16 weights with Kahan-compensated '
-        "updates: 12 bytes per parameter with AdamW against 16."
+        "updates: 12 bytes per parameter of weights, compensation buffer, AdamW state and gradients, against 16 with "
+        "FP32 weights."
     )
     if native:
         return Recommendation(
@@ -323,32 +385,41 @@ def _recommend_cuda(report: DeviceReport) -> Recommendation:
 
 def _recommend_cpu(report: DeviceReport) -> Recommendation:
     ratio = report.speedup("bfloat16")
+    native = report.details.get("bf16_native")
     no_master = "master_weights: only for a model built or loaded in fp16/bf16 (it trains it on FP32 masters)."
-    if report.autocast.get("bfloat16", False) and ratio is not None and ratio >= _CPU_SPEEDUP_NEEDED:
+    isa = report.details.get("vector_isa")
+    if ratio is None:
+        measured = "bf16 was not measured (autocast cannot run it here, or --no-benchmark)"
+    else:
+        faster = f"{ratio:.1f}x faster than" if ratio >= 1 else f"{1 / ratio:.1f}x slower than"
+        measured = f"a bf16 matmul ran {faster} fp32 here"
+    if native is None:  # the flags could not be read: the measurement decides
+        native = report.autocast.get("bfloat16", False) and ratio is not None and ratio >= _CPU_SPEEDUP_NEEDED
+        source = f"{measured} (the CPU's feature flags could not be read)"
+    else:
+        flags = ", ".join(report.details.get("bf16_flags") or []) or "neither avx512_bf16 nor amx_bf16"
+        source = f"its feature flags list {flags}; {measured}"
+    if native and report.autocast.get("bfloat16", False):
         return Recommendation(
             report.label,
             "bf16-mixed",
             False,
             'Trainer(plugins=[MixedPrecisionPlugin("bf16-mixed")])',
             [
-                f"a bf16 matmul ran {ratio:.1f}x faster than fp32 on this CPU ({report.details.get('vector_isa')}): "
-                "it has native bf16 arithmetic (AMX or AVX512-BF16), so bf16 autocast speeds training up.",
+                f"this CPU ({isa}) has native bf16 arithmetic (AMX or AVX512-BF16: {source}), so bf16 autocast "
+                "can speed training up; a model too small to keep the cores busy may not gain.",
                 no_master,
             ],
         )
-    if ratio is None:
-        measured = "bf16 was not measured (autocast cannot run it here, or --no-benchmark)"
-    else:
-        measured = f"a bf16 matmul ran at {ratio:.2g}x fp32's throughput ({1 / ratio:.0f}x slower)"
     return Recommendation(
         report.label,
         "32-true",
         False,
         'Trainer(precision="32-true")',
         [
-            f"{measured} on this CPU ({report.details.get('vector_isa')}, no native bf16 arithmetic): mixed "
-            "precision here checks correctness (`amp-plus train` uses bf16-mixed on CPU to show the plugin at "
-            "work) but makes training slower; speed-ups are a GPU matter. fp16 on CPU is slower still.",
+            f"this CPU ({isa}) has no native bf16 arithmetic ({source}): mixed precision here checks correctness "
+            "(`amp-plus train` uses bf16-mixed on CPU to show the plugin at work) but makes training slower; "
+            "speed-ups are a GPU matter. fp16 on CPU is slower still.",
             no_master,
         ],
     )
@@ -396,9 +467,12 @@ def format_report(data: dict[str, Any]) -> str:
     for device in devices:
         details = device["details"]
         if device["kind"] == "cpu":
+            native = {True: "yes", False: "no", None: "unknown (no feature flags)"}[details.get("bf16_native")]
+            flags = ", ".join(details.get("bf16_flags") or [])
             head = (
                 f"cpu: {device['name']}, {details.get('logical_cores')} logical cores, torch uses "
-                f"{details.get('torch_threads')} threads, vector ISA {details.get('vector_isa')}"
+                f"{details.get('torch_threads')} threads, vector ISA {details.get('vector_isa')}, native bf16: "
+                f"{native}{f' ({flags})' if flags else ''}"
             )
         else:
             head = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 import warnings
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_amp_plus._wording import plural
+from lightning_amp_plus.cli import _machine
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
 from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point
 from lightning_amp_plus.cli._runs import (
@@ -42,9 +44,7 @@ from lightning_amp_plus.cli._settings import (
     task_label,
     train_settings,
 )
-from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
-from lightning_amp_plus.monitor.chart import write_chart
-from lightning_amp_plus.monitor.summary import summary
+from lightning_amp_plus.cli._workers import launching_workers
 from lightning_amp_plus.plugins.trainer import skipped_steps
 
 __all__ = ["batches_per_rank", "train"]
@@ -56,12 +56,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Fit the model the flags describe; print the result (rank zero only) and return it.
 
     Ctrl-C stops cleanly: the monitor's summary so far is printed, the chart written, and ``KeyboardInterrupt``
-    raised again (saying where it stopped) for the command to exit with code 130. A stop with a diagnosis
-    (``FloatingPointError``: steps that keep overflowing) reports the same way and raises ``RunFailed``. With
-    ``--resume``, training continues from ``--ckpt-dir``'s ``last.ckpt``, checked first (:mod:`._resume`).
+    raised again (saying where it stopped, and with ``--ckpt-dir`` which checkpoint ``--resume`` continues from) for
+    the command to exit with code 130. A stop with a diagnosis (``FloatingPointError``: steps that keep overflowing)
+    reports the same way and raises ``RunFailed``. With ``--resume``, training continues from ``--ckpt-dir``'s
+    ``last.ckpt``, checked first (:mod:`._resume`). The CPU threads it chooses are torch's again on return.
     """
+    threads_before = torch.get_num_threads()
+    try:
+        return _train(args)
+    finally:
+        torch.set_num_threads(threads_before)  # a program that calls this keeps its own thread count
+
+
+def _train(args: argparse.Namespace) -> dict[str, Any]:
     settings = train_settings(args)
-    device, precision, amp = _set_up(args)
+    device, precision, amp, threads = _set_up(args)
     pl.seed_everything(args.seed, workers=True, verbose=False)
     datamodule = load_datamodule(args, settings)
     model = build_model(args.task, datamodule, **model_hparams(args.task, settings))
@@ -82,10 +91,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         resume = read_resume_point(Path(args.ckpt_dir) / "last.ckpt", model, datamodule, record, target)
     # Under DDP on CPU every process runs this command; one speaks. (The Trainer knows its rank only inside fit.)
     if getattr(rank_zero_only, "rank", 0) == 0:
-        print(_start_line(args, settings, precision, device, amp, batches), flush=True)
+        print(_start_line(args, settings, precision, device, amp, batches, threads), flush=True)
         if resume is not None:
             print(resume.line(), flush=True)
-    trainer, seconds = _fit(args, settings, device, amp, model, datamodule, [record], resume)
+    record.saved_step = None if resume is None else resume.step  # what last.ckpt holds before this run saves
+    trainer, seconds = _fit(args, settings, device, amp, model, datamodule, record, resume)
     result = _result(args, trainer, precision, device, amp, seconds)
     result["resumed_at"] = None if resume is None else resume.step
     if trainer.is_global_zero:
@@ -93,17 +103,30 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _set_up(args: argparse.Namespace) -> tuple[str, PrecisionName, AmpSettings]:
-    """The device, the precision and the mixed-precision settings, checked against this machine."""
+def _set_up(args: argparse.Namespace) -> tuple[str, PrecisionName, AmpSettings, str]:
+    """The device, the precision, the mixed-precision settings and the threads said, checked against this machine."""
     device = resolve_accelerator(args.accelerator)
     check_devices(device, args.devices)
     precision = resolve_precision(args.precision, device)
     problem = cli_amp_problem(args, precision, auto=args.precision == "auto")
     if problem is not None:
         raise UsageError(problem)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    return device, precision, _amp_settings(args, precision)
+    threads, said = _threads(args, device)
+    if threads is not None:
+        torch.set_num_threads(threads)
+        # Lightning's launcher gives each of N processes cores // N threads unless OMP_NUM_THREADS is set: the other
+        # processes inherit this choice instead (and torch reads it when they import it).
+        args.worker_threads = threads if args.devices > 1 else None
+    return device, precision, _amp_settings(args, precision), said
+
+
+def _threads(args: argparse.Namespace, device: str) -> tuple[int | None, str]:
+    """The CPU threads of each process and the words for the first line (:func:`~._machine.thread_choice`)."""
+    if device != "cpu":
+        return args.threads, ""  # the GPU computes; the CPU threads only feed it
+    known = args.threads is not None or os.environ.get("OMP_NUM_THREADS")
+    idle = None if known else _machine.idle_cores()
+    return _machine.thread_choice(args.threads, args.devices, os.environ, idle, _machine.usable_cores())
 
 
 def _fit(
@@ -113,7 +136,7 @@ def _fit(
     amp: AmpSettings,
     model: pl.LightningModule,
     datamodule: pl.LightningDataModule,
-    extra: list[Callback],
+    record: RunRecord,
     resume: ResumePoint | None,
 ) -> tuple[pl.Trainer, float]:
     """Fit (from ``resume`` when given), then validate the final weights if fit did not; the trainer and seconds."""
@@ -124,16 +147,18 @@ def _fit(
     with lightning_output(args.lightning_info), warnings.catch_warnings():  # the Trainer's constructor prints too
         # The folder was checked before: empty for a new run, the run's own for --resume.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
-        trainer = _trainer(args, settings, device, amp, [*monitors, last_val, *extra], resume)
+        trainer = _trainer(args, settings, device, amp, [*monitors, last_val, record], resume)
         try:
-            interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
+            # With --devices N, the other processes die with this one and take its thread count.
+            with launching_workers(getattr(args, "worker_threads", None)):
+                interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
         except (KeyboardInterrupt, FloatingPointError) as stop:
-            raise _stopped(stop, trainer, monitors, amp, during="training") from None
+            raise _stopped(stop, trainer, during="training", saved=_saved(args, record)) from None
         if last_val.step != trainer.global_step:  # the numbers must describe the final weights
             try:
                 interruptible(trainer, lambda: trainer.validate(model, datamodule=datamodule, verbose=False))
             except KeyboardInterrupt as stop:
-                raise _stopped(stop, trainer, [], amp, during="the final validation") from None
+                raise _stopped(stop, trainer, during="the final validation") from None
     return trainer, time.perf_counter() - start
 
 
@@ -215,7 +240,8 @@ def _trainer(
         logger=False,
         enable_checkpointing=args.ckpt_dir is not None,
         enable_progress_bar=args.progress_bar,
-        enable_model_summary=args.model_summary,
+        # The summary is ours to add (_console_callbacks): Lightning's own switch would only say it skipped adding one.
+        enable_model_summary=False,
         default_root_dir=args.ckpt_dir,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
@@ -235,17 +261,12 @@ def _console_callbacks(args: argparse.Namespace) -> list[Callback]:
     ]
 
 
-def _stopped(
-    stop: BaseException, trainer: pl.Trainer, monitors: list[Callback], amp: AmpSettings, during: str
-) -> BaseException:
-    """Report what was measured before ``stop`` (on rank zero) and return the exception the command ends with."""
-    monitor = next((c for c in monitors if isinstance(c, MixedPrecisionMonitor)), None)
-    if monitor is not None and trainer.is_global_zero:  # the monitor itself reports only at the end of fit
-        print(summary(monitor.history))
-        if amp.report_path is not None:
-            write_chart(monitor.history, amp.report_path)
-            print(f"MixedPrecisionMonitor: chart written to {amp.report_path}")
-        sys.stdout.flush()
+def _stopped(stop: BaseException, trainer: pl.Trainer, during: str, saved: str = "") -> BaseException:
+    """The exception the command ends with after ``stop``, saying where the run stopped and what was saved.
+
+    The monitor printed its summary of the steps taken and wrote its chart already (in ``on_exception``).
+    """
+    sys.stdout.flush()
     if isinstance(stop, FloatingPointError):  # the scaler's diagnosis: the run cannot make progress
         flag = (
             " (on this command line: --max-consecutive-skips N; 0 never stops)"
@@ -254,8 +275,19 @@ def _stopped(
         )
         return RunFailed(f"{stop}{flag}")
     if during == "training":
-        return KeyboardInterrupt(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation")
+        return KeyboardInterrupt(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation{saved}")
     return KeyboardInterrupt("during the final validation (training had finished; its summary is above)")
+
+
+def _saved(args: argparse.Namespace, record: RunRecord) -> str:
+    """What ``--ckpt-dir`` holds to continue from, said after an interrupt (empty without ``--ckpt-dir``)."""
+    if args.ckpt_dir is None:
+        return ""
+    last = Path(args.ckpt_dir) / "last.ckpt"
+    if not last.is_file():
+        return f". No checkpoint was saved yet in {args.ckpt_dir} (the first comes at the end of the first epoch)"
+    step = "" if record.saved_step is None else f" (step {record.saved_step})"
+    return f". {last} holds the last checkpoint{step}: the same command with --resume continues from it"
 
 
 def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSettings:
@@ -282,6 +314,7 @@ def _start_line(
     device: str,
     amp: AmpSettings,
     batches: int,
+    threads: str = "",
 ) -> str:
     master = _weights_note(precision, amp.master_weights, amp.compensation)
     devices = f" x {args.devices}" if args.devices > 1 else ""
@@ -294,7 +327,7 @@ def _start_line(
     )
     return (
         f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
-        f"{length} (Ctrl-C stops cleanly with the summary so far)"
+        f"{length}{', ' + threads if threads else ''} (Ctrl-C stops cleanly with the summary so far)"
     )
 
 

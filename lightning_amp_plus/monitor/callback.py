@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_amp_plus._checks import check_bool, check_int, check_real
+from lightning_amp_plus._paths import written_as
 from lightning_amp_plus.diagnostics.autopsy import Autopsy
 from lightning_amp_plus.diagnostics.headroom import LayerHeadroom
 from lightning_amp_plus.monitor import memory as _memory
@@ -93,7 +94,11 @@ class MixedPrecisionMonitor(Callback):
 
     At the end of ``fit`` a one-paragraph summary is printed (steps, skips and rate, scale range, first and last
     overflow, peak memory, non-finite events, autopsies, the tightest headroom) and, with ``report_path``, a PNG chart
-    is written (needs matplotlib: ``pip install 'lightning-amp-plus[report]'``).
+    is written (needs matplotlib: ``pip install 'lightning-amp-plus[report]'``). Also when ``fit`` stops early: on
+    Ctrl-C (Lightning's graceful shutdown), on the scaler's diagnosis or on any error, both come out before the
+    exception goes on (``on_exception``), whatever launched the run (the Trainer, LightningCLI, ``amp-plus``).
+    The chart never replaces a file: where one has that name, it goes to the next free numbered name
+    (``amp-1.png``...) and the printed line says so.
 
     Works with this package's plugins, Lightning's ``MixedPrecision`` (its ``torch.amp.GradScaler``: a skip shows as a
     scale backoff) and plain ``32-true`` (then it reports what applies). In a Fabric (or plain) loop, call
@@ -110,7 +115,8 @@ class MixedPrecisionMonitor(Callback):
             :meth:`observe`.
         prog_bar: show the loss scale on the progress bar.
         report_path: where to write the PNG chart at the end of ``fit`` (``None``: no chart); a ``.png`` path in a
-            folder that can be written or created, checked at construction.
+            folder that can be written or created, checked at construction. An existing file there is kept: the
+            chart then goes to ``<name>-1.png`` (or the next free number), as the printed line says.
         autopsy: find where each skipped step's inf/NaN started (see above).
         autopsy_limit: the most autopsies per run (>= 1).
         headroom_interval: read per-layer headroom every this many optimizer steps (0: never).
@@ -175,6 +181,7 @@ class MixedPrecisionMonitor(Callback):
         self._bar_scale: float | None = None
         self._named: list[tuple[str, Tensor]] = []  # the checked model's parameters by name, read once per model
         self._named_model: nn.Module | None = None
+        self._training = False  # a fit is under way whose summary is not out yet
 
     # ---------------------------------------------------------------------------------------------- readings
     @property
@@ -206,6 +213,7 @@ class MixedPrecisionMonitor(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
+        self._training = True  # until this fit's summary is out
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
         self._named, self._named_model = user_names(pl_module), pl_module
 
@@ -258,6 +266,10 @@ class MixedPrecisionMonitor(Callback):
         # history (and the summary made of it) holds every step taken.
         steps = self._source.take()
         self._record(steps, trainer.global_step, None)
+        # Ctrl-C (Lightning's graceful shutdown), the scaler's diagnosis, any error: fit ends without on_fit_end, so
+        # the summary and the chart of the steps taken are written here, whatever launched the run.
+        if self._training and trainer.is_global_zero:
+            self._finish()
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -333,12 +345,15 @@ class MixedPrecisionMonitor(Callback):
         return summary(self.history)
 
     def write_chart(self, path: str | Path | None = None) -> Path:
-        """Write the PNG chart of the run so far to ``path`` (default: ``report_path``); return where it went."""
+        """Write the PNG chart of the run so far to ``path`` (default: ``report_path``); return where it went.
+
+        Where a file has that name already, the chart goes to the next free numbered name (``amp-1.png``...): the
+        file is left as it was.
+        """
         target = self.report_path if path is None else check_chart_path(path, "path")
         if target is None:
             raise ValueError("`MixedPrecisionMonitor.write_chart()` needs a path: pass one, or set report_path.")
-        write_chart(self.history, target)
-        return target
+        return write_chart(self.history, target)
 
     # ------------------------------------------------------------------------------------ autopsy and headroom
     def _replays(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
@@ -360,10 +375,17 @@ class MixedPrecisionMonitor(Callback):
         self._skips_seen = source.skips_so_far()
 
     def _finish(self) -> None:
+        """The end of a fit (finished or stopped): the summary printed and the chart written, once."""
+        self._training = False
         print(self.summary())
-        if self.report_path is not None:
-            write_chart(self.history, self.report_path)
-            print(f"MixedPrecisionMonitor: chart written to {self.report_path}")
+        if self.report_path is None:
+            return
+        try:
+            written = write_chart(self.history, self.report_path)
+        except Exception as error:  # while fit stops for another reason, a chart that fails must not hide that one
+            rank_zero_warn(f"MixedPrecisionMonitor: the chart could not be written to {self.report_path}: {error!r}")
+            return
+        print(f"MixedPrecisionMonitor: chart written to {written_as(self.report_path, written)}", flush=True)
 
     def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
         for offset, result in enumerate(steps):

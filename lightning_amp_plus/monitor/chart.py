@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lightning_amp_plus._paths import check_output_file
+from lightning_amp_plus._paths import check_output_file, write_new
 from lightning_amp_plus._wording import plural, shown
 from lightning_amp_plus.monitor.history import AmpHistory, batches, scale_text
 
@@ -48,8 +48,9 @@ def require_matplotlib(argument: str = "report_path") -> None:
 def check_chart_path(path: str | os.PathLike[str], argument: str = "report_path") -> Path:
     """Check, before any work starts, that a PNG chart can be written at ``path``; return it as a ``Path``.
 
-    The path must end in ``.png`` (the chart is always a PNG, written exactly there), must not be a folder, and
-    must lie where a file can be created (missing folders are created when the chart is written). ``argument``
+    The path must end in ``.png`` (the chart is always a PNG), must not be a folder, and must lie where a file can be
+    created (missing folders are created when the chart is written; if a file has that name by then, the chart goes
+    to the next free numbered name, ``amp-1.png``..., and the file is left as it was). ``argument``
     names the path in messages: ``"report_path"`` (Python) or a flag such as ``"--report"``.
 
     Raises:
@@ -82,16 +83,20 @@ def new_figure(**options: Any) -> Any:
 
 
 def save_png(figure: Any, path: str | os.PathLike[str]) -> Path:
-    """Write ``figure`` as a PNG exactly at ``path`` (missing folders are created); return the path."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(target, format="png", dpi=100)  # exactly `path`: no suffix added, whatever it ends in
-    return target
+    """Write ``figure`` as a PNG at ``path``, or at the next free numbered name if a file is there; return where.
+
+    No file is overwritten (:func:`~lightning_amp_plus._paths.write_new`: ``amp.png``, then ``amp-1.png``...); missing
+    folders are created. No suffix is added, whatever ``path`` ends in.
+    """
+    return write_new(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
 
 
 # --------------------------------------------------------------------------------------------------- run chart
 def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
-    """Draw the run into a PNG at ``path`` (exactly there; missing folders are created) and return the path.
+    """Draw the run into a PNG at ``path``, or at the next free numbered name; return where it went.
+
+    Where a file has the name ``path`` already, the chart goes to ``amp-1.png`` (or the next free number): no file is
+    overwritten. Missing folders are created.
 
     One panel per series that was measured: the loss scale (only with a loss scaler; ticks on powers of two from its
     highest to its lowest value), the skipped steps so far (only when a step was skipped), the gradient norm, and
@@ -263,6 +268,11 @@ def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
     lost_axis.barh(rows, subnormal, left=flushed, color="tab:orange", label="subnormal")
     lost_axis.set_xlabel(f"gradients lost in {dtype} (%)")
     lost_axis.set_xlim(0, max(1.0, max(f + n for f, n in zip(flushed, subnormal, strict=True)) * 1.15))
+    if not any(flushed) and not any(subnormal):  # no bar at all: say it, or the empty panel reads as not measured
+        lost_axis.text(
+            0.5, 0.5, f"0% in every layer:\nno gradient value flushed\nto zero or subnormal in {dtype}",
+            transform=lost_axis.transAxes, ha="center", va="center", fontsize=8, color="dimgray",
+        )  # fmt: skip
     _legend_below(lost_axis)
     for axis in (bits_axis, lost_axis):
         axis.grid(True, axis="x", alpha=0.3)

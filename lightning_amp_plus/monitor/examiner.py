@@ -86,8 +86,12 @@ class Examiner:
         if descending and _finite_loss(outputs):
             return  # the scale coming down from init_scale: routine, and a replay would only say "scale"
         found = replay.autopsy(rng, result.scale or 1.0, step)
-        if found is None or (descending and found.kind == "scale"):
-            return  # did not reproduce (a rank-local fault), or routine: not reported, not counted
+        # What the replay found, for the summary; None: finite at this scale, not a stable overflow of this batch.
+        history.replayed[step] = None if found is None else found.kind
+        if found is None:
+            return  # not counted
+        if descending and found.kind == "scale":
+            return  # routine: not reported, not counted
         self._made += 1
         if any((earlier.kind, earlier.module) == (found.kind, found.module) for earlier in self.autopsies):
             return  # the same cause again (a fault that persists): said once

@@ -53,6 +53,10 @@ class AmpHistory:
     """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
     notes: list[str] = field(default_factory=list)
     """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
+    replayed: dict[int, str | None] = field(default_factory=dict)
+    """Skipped steps the autopsy replayed, and the kind of cause it found (``"forward"``, ``"scale"``,
+    ``"backward"``), or ``None`` when the replay at the same scale found every gradient finite. A cause found again
+    is reported once (:attr:`autopsies`) but recorded here at every step."""
 
     @property
     def skipped(self) -> list[int]:

@@ -54,8 +54,7 @@ def summary(history: AmpHistory) -> str:
             "overflows a loss scaler catches"
         )
     elif skipped and scales and not streak:
-        what = "the skipped step was an fp16 overflow" if len(skipped) == 1 else "the skipped steps were fp16 overflows"
-        parts.append(f"{what} caught by the loss scaler, routine in dynamic loss scaling")
+        parts.append(_scaled_skips(history))
     elif skipped and scales:
         ending = "a skipped step (an fp16 overflow)" if streak == 1 else f"{streak} skipped steps in a row"
         parts.append(f"the run ended on {ending}: overflows that lowering the loss scale did not cure")
@@ -74,6 +73,60 @@ def summary(history: AmpHistory) -> str:
     else:
         parts.append("no non-finite parameters found" if skipped else "no non-finite parameters or gradients found")
     return "MixedPrecisionMonitor: " + "; ".join(parts) + "."
+
+
+def _scaled_skips(history: AmpHistory) -> str:
+    """What the skips under a loss scaler were, as far as the run established it, and what the rest suggests.
+
+    A skip is an fp16 overflow the scaler caught, routine in dynamic loss scaling, when the run shows it: before the
+    first applied step (the scale coming down from ``init_scale``), at a scale above every scale earlier steps passed
+    at (the scale had grown past what the gradients hold), or when an autopsy found the gradients finite at a lower
+    scale. A skip at a scale earlier steps passed at is not that; nor is one whose replay (the autopsy's) found the
+    batch's gradients finite at the same scale.
+    """
+    routine, unreproduced, unexplained = [], [], []
+    cured = {step for step, kind in history.replayed.items() if kind == "scale"}
+    highest_applied: float | None = None
+    for batch in batches(history.steps):
+        if not batch.skipped:
+            if batch.scale is not None:
+                highest_applied = max(batch.scale, highest_applied or batch.scale)
+            continue
+        grown = highest_applied is None or (batch.scale is not None and batch.scale > highest_applied)
+        if batch.step in history.replayed and history.replayed[batch.step] is None:
+            unreproduced.append(batch.step)
+        elif grown or batch.step in cured:
+            routine.append(batch.step)
+        else:
+            unexplained.append(batch.step)
+    if not unreproduced and not unexplained:
+        what = "the skipped step was an fp16 overflow" if len(routine) == 1 else "the skipped steps were fp16 overflows"
+        return f"{what} caught by the loss scaler, routine in dynamic loss scaling"
+    said = []
+    if routine:
+        said.append(
+            f"{_steps(routine)} {'was an fp16 overflow' if len(routine) == 1 else 'were fp16 overflows'} caught by "
+            "the loss scaler, routine in dynamic loss scaling"
+        )
+    if unreproduced:
+        said.append(
+            f"{_steps(unreproduced)} had non-finite gradients that a replay of the batch at the same loss scale did "
+            "not reproduce: not a stable overflow of that batch at that scale, but something that happened once (a "
+            "NaN or inf in the data or the loss, a non-deterministic kernel, a fault on one process)"
+        )
+    if unexplained:
+        cause = "its cause was" if len(unexplained) == 1 else "their causes were"
+        said.append(
+            f"{_steps(unexplained)} had non-finite gradients at a loss scale earlier steps had passed at: not the "
+            f"overflow that follows the scale's growth, and {cause} not examined (under this package's plugins "
+            "the monitor's autopsy replays such a step and says where its first inf/NaN starts; in a Fabric or plain "
+            "loop, pass observe(..., replay=...))"
+        )
+    return "; ".join(said)
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {spans(steps)}"
 
 
 def _autopsy_and_headroom(history: AmpHistory) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import runpy
 import signal
@@ -18,6 +19,7 @@ from helpers import PNG_SIGNATURE, usage_error
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
 from lightning_amp_plus.cli import AmpSettings, _settings, build_parser, doctor, main
+from lightning_amp_plus.cli import train as _train_module
 from lightning_amp_plus.cli._runs import resolve_precision
 from lightning_amp_plus.cli.train import train
 
@@ -64,6 +66,35 @@ def test_train_defaults_to_bf16_on_cpu_with_the_monitor_and_reports_validation_a
     assert "MixedPrecisionMonitor: 4 optimizer steps, 0 skipped" in out
     assert "amp-plus train cnn: bf16-mixed on cpu, synthetic data, 4 steps (1.0 epochs)" in out
     assert re.search(r"val/acc 0\.\d{3} \(chance 0\.10\), val/loss \d+\.\d{3}; skipped steps 0", out)
+
+
+@pytest.mark.parametrize(
+    ("idle", "environ", "said", "threads"),
+    [
+        (0.4, {}, "1 thread (0.4 of 2 cores idle; --threads N sets it)", 1),
+        (1.9, {}, "2 threads (1.9 of 2 cores idle; --threads N sets it)", 2),
+        (2.0, {"OMP_NUM_THREADS": "1"}, "1 thread (OMP_NUM_THREADS)", 1),
+    ],
+)
+def test_without_threads_train_takes_the_idle_cores_and_says_so_on_its_first_line(
+    idle: float, environ: dict[str, str], said: str, threads: int, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    from lightning_amp_plus.cli import _machine
+
+    monkeypatch.setattr(_machine, "idle_cores", lambda sample_s=0.1: idle)
+    monkeypatch.setattr(_machine, "usable_cores", lambda: 2)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    seen: list[int] = []
+    monkeypatch.setattr(_train_module, "interruptible", lambda trainer, call: (seen.append(torch.get_num_threads()),
+                                                                               call())[1])  # fmt: skip
+    before = torch.get_num_threads()
+    run_train(*TINY_CNN, "--max-steps", "1", "--precision", "32-true")
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith(f", 1 step, {said} (Ctrl-C stops cleanly with the summary so far)"), first
+    assert seen[0] == threads  # what the line says is what training ran with
+    assert torch.get_num_threads() == before  # and the caller's own count is back
 
 
 def test_train_validates_the_final_weights_when_max_steps_ends_mid_epoch() -> None:
@@ -367,6 +398,47 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
 
 
 @pytest.mark.integration
+def test_ctrl_c_with_a_ckpt_dir_says_which_checkpoint_resume_continues_from(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    # 100 steps an epoch: a checkpoint at each epoch's end, and Ctrl-C well inside the next epoch, not during a save.
+    long_epochs = [*TINY_CNN, "--num-train", "800", "--epochs", "100000", "--threads", "1", "--ckpt-dir", str(ckpt)]
+    process = processes.start([sys.executable, "-m", "lightning_amp_plus", "train", *long_epochs])
+    try:
+        deadline = time.monotonic() + 150
+        while not (ckpt / "last.ckpt").exists() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert (ckpt / "last.ckpt").exists(), "no checkpoint was saved"
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        _, err = processes.finish(process, timeout=60, what="amp-plus train after Ctrl-C")
+    finally:
+        processes.kill_group(process)
+    assert process.returncode == 130, err
+    saved = torch.load(ckpt / "last.ckpt", map_location="cpu", weights_only=True)["global_step"]
+    assert (
+        f"; no final validation. {ckpt / 'last.ckpt'} holds the last checkpoint (step {saved}): the same command with "
+        "--resume continues from it"
+    ) in err, err
+
+
+@pytest.mark.integration
+def test_ctrl_c_after_the_run_has_finished_does_not_turn_its_success_into_an_interrupt() -> None:
+    # The result is printed; the interpreter then takes a moment to exit (torch's and Lightning's exit handlers).
+    argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--max-steps", "2", "--threads", "1"]
+    process = processes.start(argv)
+    try:
+        seen = processes.read_until(process, b"val/acc", timeout=180)
+        assert b"val/acc" in seen, seen
+        time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        _, err = processes.finish(process, timeout=60, what="amp-plus train after a late Ctrl-C")
+    finally:
+        processes.kill_group(process)
+    assert process.returncode == 0 and "Traceback" not in err and "interrupted" not in err, err
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two processes on the CPU need two cores")
 def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process_takes() -> None:
     # 32 samples in batches of 8 over 2 processes: each takes 16 samples an epoch, 2 steps. --lightning-info shows
     # Lightning's tips too, among them its advice to log epoch-level metrics with sync_dist=True under DDP.
@@ -374,7 +446,10 @@ def test_several_cpu_processes_print_the_result_once_with_the_steps_each_process
                        timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "Traceback" not in done.stderr
-    start = "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 2 epochs of 2 steps (Ctrl-C stops cleanly"
+    start = (
+        "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 2 epochs of 2 steps, 1 thread each (--threads) "
+        "(Ctrl-C stops cleanly"
+    )
     assert done.stdout.count(start) == 1  # the line before fit, from one process
     assert done.stdout.count("MixedPrecisionMonitor: 4 optimizer steps") == 1
     assert "amp-plus train cnn: bf16-mixed on cpu x 2, synthetic data, 4 steps (2.0 epochs) in " in done.stdout

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import usage_error
-from processes import amp_plus
+from processes import REPO, amp_plus
 
 pytestmark = pytest.mark.integration  # starts processes or runs whole commands
 
@@ -80,8 +82,10 @@ def test_a_ckpt_dir_holding_a_run_is_refused_before_any_training_naming_resume(c
          "no run to continue ({folder}/last.ckpt is missing). Drop --resume to start a new run there"),
         ("empty", ["--ckpt-dir", "{folder}", "--resume"], "--ckpt-dir {folder} is empty, so there is no run"),
         ("other", ["--ckpt-dir", "{folder}", "--resume"], "--ckpt-dir {folder} holds no last.ckpt, so there is no run"),
+        # No last.ckpt there, so no last-v1.ckpt either: only what is true of this folder is said.
         ("other", ["--ckpt-dir", "{folder}"], "--ckpt-dir {folder} already holds notes.txt: a new run would put its "
-         "checkpoints beside them (and write its last.ckpt as last-v1.ckpt). It has no last.ckpt for --resume"),
+         "checkpoints beside them. There is no last.ckpt there for --resume to continue from: give an empty or new "
+         "folder."),
         ("nothing", ["--resume"], "--resume continues the run saved in a --ckpt-dir folder: give --ckpt-dir DIR"),
     ],
 )  # fmt: skip
@@ -96,6 +100,7 @@ def test_resume_without_a_run_to_continue_is_a_clear_error(
     done = amp_plus("train", *TINY, *(part.format(folder=folder) for part in argv), timeout=60)
     assert done.returncode == 2, done.stderr
     assert fragment.format(folder=folder) in done.stderr and done.stderr.count("\n") == 1
+    assert "last-v1.ckpt" not in done.stderr
     assert not folder.exists() if make == "nothing" else (folder / "last.ckpt").exists() is False
 
 
@@ -159,3 +164,46 @@ def test_a_bf16_true_run_resumes_with_its_compensation_named_or_not_and_refuses_
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "resuming from" in done.stdout and saved_step(folder / "last.ckpt") == 4
+
+
+def test_the_resume_refusal_lists_what_may_change_as_the_docs_do(
+    ckpt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", *TINY, "--max-steps", "12", "--width", "3", "--ckpt-dir", str(ckpt), "--resume"]
+    err = usage_error(argv, capsys)
+    said = re.search(r"\(only (.*) may change\)", err)
+    documented = re.search(r"What may change on resume: (.*?)\. What may not", (REPO / "docs/resuming.md").read_text(),
+                           re.DOTALL)  # fmt: skip
+    assert said is not None and documented is not None, err
+    assert "the console flags" in said.group(1) and "the console flags" in documented.group(1)
+    flags = set(re.findall(r"--[a-z-]+", said.group(1)))
+    assert flags == set(re.findall(r"--[a-z-]+", documented.group(1)))
+    assert {"--threads", "--devices", "--num-workers", "--data-dir"} <= flags
+
+
+def broken_checkpoint(kind: str) -> bytes:
+    """A last.ckpt that is no checkpoint: one holding a Python object besides tensors, garbage, or a cut-off file."""
+    whole = io.BytesIO()
+    torch.save({"state_dict": {}, "global_step": 2}, whole)
+    if kind == "object":
+        holding = io.BytesIO()
+        torch.save({"state_dict": {}, "made_by": Path("somewhere")}, holding)  # a class weights_only refuses
+        return holding.getvalue()
+    return b"not a checkpoint at all " * 8 if kind == "garbage" else whole.getvalue()[:200]
+
+
+@pytest.mark.parametrize("kind", ["object", "garbage", "cut-off"])
+def test_an_unreadable_last_ckpt_is_refused_without_advice_to_unpickle_it(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(broken_checkpoint(kind))
+    err = usage_error(["train", *TINY, "--max-steps", "4", "--ckpt-dir", str(folder), "--resume"], capsys)
+    assert f"--resume: {folder / 'last.ckpt'} could not be read as a checkpoint (" in err
+    assert "Remove it to start a new run in that folder, or choose another --ckpt-dir." in err
+    # torch's own message advises re-running with weights_only=False: that would run whatever code the file holds.
+    for advice in ("weights_only` set to `False`", "weights_only=False", "Re-running", "trust"):
+        assert advice not in err, err
+    if kind == "object":
+        assert "it holds Python objects besides tensors and plain values" in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,22 @@ def cuda(name: str, capability: str, tflops: dict[str, float | None], autocast: 
     return DeviceReport("cuda", 0, name, details, autocast, {}, dict(tflops))
 
 
-def cpu(tflops: dict[str, float | None]) -> DeviceReport:
-    return DeviceReport("cpu", None, "a CPU", {"vector_isa": "AVX2"}, BOTH, {}, dict(tflops))
+def cpu(tflops: dict[str, float | None], native: bool | None = None) -> DeviceReport:
+    """A CPU report; ``native``: what its feature flags say of bf16 (``None``: no flags could be read)."""
+    flags = ["avx512_bf16"] if native else []
+    details = {"vector_isa": "AVX512", "bf16_native": native, "bf16_flags": flags}
+    return DeviceReport("cpu", None, "a CPU", details, BOTH, {}, dict(tflops))
+
+
+def fake_cpuinfo(folder: Path, flags: str) -> Path:
+    """A /proc/cpuinfo of two processors with these flags, as Linux writes it."""
+    block = "processor\t: {n}\nmodel name\t: A CPU\nflags\t\t: {flags}\n\n"
+    path = folder / "cpuinfo"
+    path.write_text("".join(block.format(n=n, flags=flags) for n in range(2)))
+    return path
+
+
+AVX512 = "fpu sse2 avx2 avx512f avx512dq avx512bw avx512vl avx512_vnni"
 
 
 def test_autocast_support_is_found_by_running_a_matmul() -> None:
@@ -42,9 +57,11 @@ def test_matmul_throughput_is_measured_at_a_size_that_fits_the_budget() -> None:
         (cuda("NVIDIA A100", "8.0", {"float32": 19.0, "bfloat16": 250.0}), "bf16-mixed", False, "Ampere or newer"),
         (cuda("Tesla V100", "7.0", {"float32": 14.0, "float16": 100.0}), "16-mixed", False, "predates Ampere"),
         (cuda("Tesla K80", "3.7", {"float32": 4.0}, {"float16": False, "bfloat16": False}), "32-true", False, "fp32"),
-        (cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.001}), "32-true", False, "100x slower"),
+        (cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.001}), "32-true", False, "100.0x slower"),
         (cpu({"float32": 1.0, "float16": None, "bfloat16": 4.0}), "bf16-mixed", False, "4.0x faster"),
         (cpu({"float32": None, "float16": None, "bfloat16": None}), "32-true", False, "not measured"),
+        (cpu({"float32": None, "float16": None, "bfloat16": None}, native=True), "bf16-mixed", False, "avx512_bf16"),
+        (cpu({"float32": 1.0, "float16": None, "bfloat16": 4.0}, native=False), "32-true", False, "neither"),
     ],
 )
 def test_recommendation_follows_the_device_found(
@@ -70,20 +87,52 @@ def test_doctor_json_recommends_fp16_for_a_gpu_without_bf16(
     assert chosen["code"] == 'Trainer(plugins=[MixedPrecisionPlugin("16-mixed")])'
 
 
-def test_doctor_measures_this_machine_and_recommends_consistently(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["doctor", "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
-    here = data["devices"][0]
-    assert here["kind"] == "cpu" and here["autocast"]["bfloat16"] is True
-    assert here["tflops"]["float32"] > 0 and here["matmul_size"]["float32"] >= 128
-    ratio = here["tflops"]["bfloat16"] / here["tflops"]["float32"]
-    cpu_advice = data["recommendations"][0]
-    assert cpu_advice["precision"] == ("bf16-mixed" if ratio >= 1.2 else "32-true")
+@pytest.mark.parametrize(
+    ("flags", "native", "precision"),
+    [(AVX512 + " avx512_bf16", True, "bf16-mixed"), (AVX512 + " amx_bf16 amx_tile", True, "bf16-mixed"),
+     (AVX512, False, "32-true")],
+)  # fmt: skip
+def test_the_cpus_bf16_support_is_read_from_its_feature_flags_with_or_without_the_benchmark(
+    tmp_path: Path, flags: str, native: bool, precision: str
+) -> None:
+    cpuinfo = fake_cpuinfo(tmp_path, flags)
+    assert doctor.cpu_bf16_native(doctor.cpu_flags(cpuinfo)) is native
+    unmeasured = doctor.collect(benchmark=False, cpuinfo=cpuinfo)[0]
+    assert unmeasured.details["bf16_native"] is native
+    advice = recommend(unmeasured)
+    assert advice.precision == precision
+    # The measurement adds a number to the reasons; it does not change the verdict of the flags.
+    measured = DeviceReport(**{**unmeasured.__dict__, "tflops": {"float32": 1.0, "float16": None, "bfloat16": 0.5}})
+    assert recommend(measured).precision == precision
+    assert "2.0x slower than fp32" in recommend(measured).reasons[0]
+
+
+def test_without_feature_flags_the_measured_speed_decides(tmp_path: Path) -> None:
+    report = doctor.collect(benchmark=False, cpuinfo=tmp_path / "missing")[0]
+    assert report.details["bf16_native"] is None
+    assert recommend(report).precision == "32-true" and "could not be read" in recommend(report).reasons[0]
+
+
+@pytest.mark.skipif(doctor.cpu_flags() is None, reason="this OS lists no CPU feature flags in /proc/cpuinfo")
+def test_doctor_recommends_the_same_for_this_cpu_with_and_without_the_benchmark(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    verdicts = []
+    for argv in (["doctor", "--json", "--no-benchmark"], ["doctor", "--json"]):
+        assert main(argv) == 0
+        data = json.loads(capsys.readouterr().out)
+        here = data["devices"][0]
+        assert here["kind"] == "cpu" and here["autocast"]["bfloat16"] is True
+        verdicts.append(data["recommendations"][0]["precision"])
+    measured = data["devices"][0]
+    assert measured["tflops"]["float32"] > 0 and measured["matmul_size"]["float32"] >= 128
+    native = doctor.cpu_bf16_native(doctor.cpu_flags())
+    assert verdicts == ["bf16-mixed" if native else "32-true"] * 2
 
 
 def test_doctor_text_report_lists_devices_support_speed_and_advice() -> None:
     text = doctor.format_report(report_dict([cpu({"float32": 0.1, "float16": 0.001, "bfloat16": 0.002})]))
-    assert "cpu: a CPU" in text
+    assert "cpu: a CPU" in text and "vector ISA AVX512, native bf16: unknown" in text
     assert "autocast: float16 yes, bfloat16 yes" in text
     assert "bfloat16 0.002 TFLOP/s" in text and "0.02x fp32" in text
     assert 'recommended on cpu: Trainer(precision="32-true")' in text

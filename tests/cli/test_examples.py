@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+import signal
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -51,7 +54,9 @@ def test_fabric_example_skips_its_injected_nan_learns_and_resumes_from_its_check
     straight = example.main(["--steps", "80", "--fault-at", "20", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert straight["steps"] == 80 and straight["skipped_steps"] == 1
-    assert "step 20: skipped, non-finite gradients in 28 tensors: ['tokens.weight', 'positions.weight']" in out
+    assert (
+        "step 20: skipped, non-finite gradients in 28 tensors: ['tokens.weight', 'positions.weight'] and 26 more" in out
+    )
     assert "80 optimizer steps, 1 skipped (1.2%) at step 20" in out  # the monitor's summary
     assert straight["loss"] < 2.0  # from ln 64 = 4.16 towards the data's floor, ln 4 = 1.39
     assert straight["chart"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -250,3 +255,57 @@ def test_with_a_logger_each_run_saves_its_config_in_its_own_version_folder(tmp_p
     saved = sorted(tmp_path.glob("lightning_logs/version_*/config.yaml"))
     assert [p.parent.name for p in saved] == ["version_0", "version_1"]  # a fresh folder each, nothing replaced
     assert "amp:" in saved[0].read_text() and mine.read_text() == "mine: true\n"
+
+
+@needs_jsonargparse
+@pytest.mark.integration
+def test_ctrl_c_on_a_lightningcli_example_prints_the_monitors_summary_and_writes_its_chart(tmp_path: Path) -> None:
+    # Lightning's own graceful shutdown (it catches KeyboardInterrupt and exits with code 1): the monitor reports from
+    # on_exception, as it does under `amp-plus train`.
+    chart = tmp_path / "amp.png"
+    argv = [sys.executable, str(EXAMPLES / "cifar_cnn.py"), "fit", f"--config={CONFIGS / 'cnn_synthetic.yaml'}",
+            *TINY_TRAINER[1:], *TINY_CNN, "--trainer.max_epochs=100000", "--trainer.enable_checkpointing=true",
+            f"--trainer.default_root_dir={tmp_path}", f"--amp.report_path={chart}"]  # fmt: skip
+    process = processes.start(argv, cwd=tmp_path)
+    try:
+        # A checkpoint at the end of each epoch (2 steps): once one is there, training is under way.
+        deadline = time.monotonic() + 180
+        while not list(tmp_path.rglob("*.ckpt")) and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.05)
+        assert list(tmp_path.rglob("*.ckpt")), "training never started"
+        process.send_signal(signal.SIGINT)
+        out, err = processes.finish(process, timeout=90, what="the example after Ctrl-C")
+    finally:
+        processes.kill_group(process)
+    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in err and "Traceback" not in err + out
+    assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps, 0 skipped", out), out + err
+    assert f"MixedPrecisionMonitor: chart written to {chart}" in out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+LIGHTNING_NOISE = ("is not supported by the model summary", "LeafSpec", "Trainer already configured with model summary",
+                   "`weights_only` was not set", "JsonargparseDeprecationWarning", "will be removed in v5")  # fmt: skip
+
+
+@needs_jsonargparse
+@pytest.mark.integration
+def test_the_lightningcli_example_shows_none_of_lightnings_noise(tmp_path: Path) -> None:
+    # The model summary on (Lightning's default), as a user runs it.
+    argv = [sys.executable, str(EXAMPLES / "cifar_cnn.py"), "fit", f"--config={CONFIGS / 'cnn_synthetic.yaml'}",
+            "--trainer.max_steps=2", "--trainer.accelerator=cpu", *TINY_CNN]  # fmt: skip
+    done = processes.run(argv, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Total params" in done.stdout + done.stderr  # the summary was printed
+    for noise in LIGHTNING_NOISE:
+        assert noise not in done.stdout + done.stderr, noise
+
+
+def test_the_trainer_example_shows_none_of_lightnings_noise(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load("lightning_trainer").main(["--precision", "bf16-mixed", "--epochs", "2", "--root", str(tmp_path)])
+    said = caplog.text + "\n".join(str(w.message) for w in caught)
+    for noise in LIGHTNING_NOISE:
+        assert noise not in said, noise

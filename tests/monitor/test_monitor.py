@@ -573,6 +573,53 @@ def test_report_path_writes_a_png_that_matplotlib_reads_back(tmp_path):
     assert image.shape[0] > 100 and image.shape[1] > 100
 
 
+def test_a_chart_whose_name_is_taken_goes_to_the_next_free_name_and_the_output_says_so(tmp_path, capsys):
+    path = tmp_path / "amp.png"
+    path.write_bytes(b"the first run's chart")
+    monitor = MixedPrecisionMonitor(report_path=path)
+    fit(Faulty(), fp16_plugin(), monitor=monitor, steps=2)
+    assert path.read_bytes() == b"the first run's chart"  # left as it was
+    assert (tmp_path / "amp-1.png").read_bytes().startswith(PNG_SIGNATURE)
+    said = f"chart written to {tmp_path / 'amp-1.png'} ({path} exists: it was left as it was)"
+    assert said in capsys.readouterr().out
+    assert monitor.write_chart() == tmp_path / "amp-2.png"  # and again, by hand
+
+
+class StopAt(pl.Callback):
+    """Raises ``error`` at the start of optimizer step ``step`` (inside fit, as Ctrl-C or a failure would)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        self.step, self.error = step, error
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise self.error
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt(), RuntimeError("a bug")], ids=["ctrl-c", "error"])
+def test_a_fit_that_stops_early_still_prints_the_summary_and_writes_the_chart(tmp_path, capsys, error):
+    # Ctrl-C takes Lightning's graceful shutdown (it exits with sys.exit(1)); an error propagates: on_fit_end never
+    # runs in either case.
+    path = tmp_path / "amp.png"
+    with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+        fit(Faulty(overflow_steps={1}), fp16_plugin(), monitor=MixedPrecisionMonitor(report_path=path), steps=6,
+            callbacks=[StopAt(3, error)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.count("MixedPrecisionMonitor: 3 optimizer steps, 1 skipped (33.3%) at step 1") == 1
+    assert f"chart written to {path}" in out and path.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_an_error_before_training_prints_no_summary(tmp_path, capsys):
+    class BrokenSetup(pl.Callback):
+        def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+            raise RuntimeError("no data here")
+
+    with pytest.raises(RuntimeError, match="no data here"):
+        fit(Faulty(), fp16_plugin(), monitor=MixedPrecisionMonitor(report_path=tmp_path / "amp.png"),
+            callbacks=[BrokenSetup()])  # fmt: skip
+    assert "MixedPrecisionMonitor" not in capsys.readouterr().out and not (tmp_path / "amp.png").exists()
+
+
 def test_writing_the_chart_leaves_matplotlibs_backend_alone(tmp_path):
     import matplotlib
 

@@ -140,6 +140,40 @@ def test_the_scales_first_descent_is_routine_and_a_later_scale_overflow_is_repor
     assert found.safe_scale is not None and found.safe_scale < 2.0**24
 
 
+class OnceNaN(Faulty):
+    """A NaN loss the first time batch 4 is trained, and never again: the switch lives outside the model, so a replay
+    of the batch (which restores the model's own state) is finite, as a fault that happens once would be."""
+
+    def __init__(self, fired: list[int]) -> None:
+        super().__init__()
+        self.fired = fired
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 4 and not self.fired:
+            self.fired.append(batch_idx)
+            loss = loss * float("nan")
+        return loss
+
+
+@pytest.mark.parametrize("autopsy", [True, False])
+def test_a_nan_that_happens_once_is_not_called_a_routine_overflow(autopsy: bool) -> None:
+    monitor = MixedPrecisionMonitor(autopsy=autopsy)
+    fit(OnceNaN(fired=[]), fp16(), monitor)
+    assert monitor.history.skipped == [4] and monitor.autopsies == []
+    summary = monitor.summary()
+    assert "routine" not in summary
+    if autopsy:  # replayed: finite at the same scale
+        assert monitor.history.replayed == {4: None}
+        assert (
+            "step 4 had non-finite gradients that a replay of the batch at the same loss scale did not reproduce"
+            in (summary)
+        )
+    else:
+        assert "step 4 had non-finite gradients at a loss scale earlier steps had passed at" in summary
+        assert "its cause was not examined" in summary
+
+
 def test_at_most_autopsy_limit_autopsies_are_made() -> None:
     monitor = MixedPrecisionMonitor(autopsy_limit=1)
     fit(Faulty("forward", fault_batches=(2, 5)), fp16(), monitor)

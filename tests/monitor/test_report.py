@@ -43,6 +43,53 @@ def test_routine_fp16_backoffs_are_worded_as_what_they_are() -> None:
     assert text.endswith("no non-finite parameters found.")
 
 
+def test_a_skip_at_a_scale_earlier_steps_passed_at_is_not_called_routine_and_says_it_was_not_examined() -> None:
+    # Ten applied steps at 2**16, then one skip at that same scale: not the overflow after a growth of the scale.
+    history = AmpHistory([StepEntry(s, 2.0**16, s == 10, None if s == 10 else 1.0, None) for s in range(20)],
+                         [(10, ROUTINE, ["w"])])  # fmt: skip
+    text = summary(history)
+    assert "routine" not in text
+    assert "step 10 had non-finite gradients at a loss scale earlier steps had passed at" in text
+    assert "its cause was not examined" in text and "the monitor's autopsy replays such a step" in text
+
+
+def test_a_skip_whose_replay_was_finite_is_said_not_to_be_a_stable_overflow() -> None:
+    history = AmpHistory([StepEntry(s, 2.0**16, s == 10, None if s == 10 else 1.0, None) for s in range(20)],
+                         [(10, ROUTINE, ["w"])], replayed={10: None})  # fmt: skip
+    text = summary(history)
+    assert "routine" not in text
+    assert (
+        "step 10 had non-finite gradients that a replay of the batch at the same loss scale did not reproduce: not a "
+        "stable overflow of that batch at that scale, but something that happened once"
+    ) in text
+
+
+def test_a_skip_right_after_the_scale_grew_is_routine_and_each_kind_of_skip_is_said_apart() -> None:
+    # Skips 0-1 bring the scale down (routine); step 6 overflows at 2**16, above every scale passed at (routine: the
+    # scale had grown); step 12 fails at a scale passed before and its replay was finite.
+    scales = {0: 2.0**16, 1: 2.0**15, **dict.fromkeys(range(2, 6), 2.0**14), 6: 2.0**16}
+    records = [StepEntry(s, scales.get(s, 2.0**15), s in (0, 1, 6, 12), 1.0, None) for s in range(16)]
+    text = summary(AmpHistory(records, [(s, ROUTINE, ["w"]) for s in (0, 1, 6, 12)], replayed={12: None}))
+    assert (
+        "steps 0-1 and 6 were fp16 overflows caught by the loss scaler, routine in dynamic loss scaling; step 12"
+        in text
+    )
+    assert (
+        "step 12 had non-finite gradients that a replay of the batch at the same loss scale did not reproduce" in text
+    )
+    grown = [StepEntry(s, 2.0**15 if s < 5 else 2.0**16, s == 5, 1.0, None) for s in range(8)]
+    assert "the skipped step was an fp16 overflow caught by the loss scaler, routine" in summary(AmpHistory(grown))
+
+
+def test_a_skip_the_autopsy_found_finite_at_a_lower_scale_is_routine_also_when_that_cause_was_reported_before() -> None:
+    # The autopsy reports a cause once; a later skip with the same cause was examined all the same.
+    records = [StepEntry(s, 2.0**10, s in (5, 9), 1.0, None) for s in range(12)]
+    history = AmpHistory(records, [(5, ROUTINE, ["w"]), (9, ROUTINE, ["w"])], replayed={5: "scale", 9: "scale"})
+    text = summary(history)
+    assert "the skipped steps were fp16 overflows caught by the loss scaler, routine in dynamic loss scaling" in text
+    assert "not examined" not in text
+
+
 def test_a_run_that_ends_on_skipped_steps_is_not_called_routine() -> None:
     text = summary(fp16_run({17, 18, 19}))
     assert "the run ended on 3 skipped steps in a row" in text and "routine" not in text
@@ -174,6 +221,23 @@ def test_several_optimizers_in_a_batch_make_one_point_with_their_global_norm() -
     assert list(line.get_ydata()) == [math.hypot(3.0, 4.0)] * 3
 
 
+@pytest.mark.parametrize(("flushed", "said"), [(0.0, True), (float("nan"), True), (2.5, False)])
+def test_a_gradient_loss_panel_without_a_bar_says_zero_in_every_layer(flushed: float, said: bool) -> None:
+    import torch
+
+    from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, headroom_bits
+    from lightning_amp_plus.monitor.chart import _whole_figure
+
+    def layer(pct: float) -> LayerHeadroom:
+        return LayerHeadroom(10.0, 1e-3, pct, 0.0, headroom_bits(10.0), 1.0, torch.bfloat16)
+
+    history = AmpHistory([StepEntry(s, None, False, 1.0, None) for s in range(3)])
+    history.headroom.append((2, {"body.0": layer(flushed), "head": layer(0.0)}))
+    texts = [t.get_text() for t in _whole_figure(history).findobj(lambda a: hasattr(a, "get_text")) if t.get_text()]
+    note = "0% in every layer:\nno gradient value flushed\nto zero or subnormal in bfloat16"
+    assert (note in texts) is said
+
+
 @pytest.mark.parametrize(
     "history", [AmpHistory(), fp16_run({0, 1}), AmpHistory([StepEntry(0, None, True, None, None)])]
 )
@@ -182,6 +246,29 @@ def test_every_history_draws_a_png_exactly_at_the_path_given(history: AmpHistory
     assert write_chart(history, path) == path
     assert path.read_bytes()[:8] == PNG_SIGNATURE
     assert os.listdir(path.parent) == ["amp.png"]
+
+
+def test_a_chart_never_replaces_a_file_it_takes_the_next_free_numbered_name(tmp_path: Path) -> None:
+    path = tmp_path / "amp.png"
+    path.write_bytes(b"a chart of another run")
+    (tmp_path / "amp-1.png").write_bytes(b"and another")
+    history = AmpHistory([StepEntry(s, None, False, 1.0, None) for s in range(3)])
+    assert write_chart(history, path) == tmp_path / "amp-2.png"
+    assert write_chart(history, path) == tmp_path / "amp-3.png"
+    assert path.read_bytes() == b"a chart of another run" and (tmp_path / "amp-1.png").read_bytes() == b"and another"
+    assert (tmp_path / "amp-3.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_a_chart_that_fails_to_draw_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_amp_plus.monitor import chart
+
+    class Broken:
+        def savefig(self, *args: object, **kwargs: object) -> None:
+            raise RuntimeError("the figure could not be drawn")
+
+    with pytest.raises(RuntimeError, match="could not be drawn"):
+        chart.save_png(Broken(), tmp_path / "amp.png")
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------------------------- compare chart
