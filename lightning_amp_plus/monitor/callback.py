@@ -11,14 +11,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -31,13 +29,14 @@ from lightning_amp_plus.monitor import memory as _memory
 from lightning_amp_plus.monitor.chart import check_chart_path, write_chart
 from lightning_amp_plus.monitor.examiner import Examiner, Replay, trainer_replay
 from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
+from lightning_amp_plus.monitor.nonfinite import save_debug_file
 from lightning_amp_plus.monitor.step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
 from lightning_amp_plus.monitor.summary import summary
 from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.grads import nonfinite_names
 from lightning_amp_plus.step.outcome import StepResult
-from lightning_amp_plus.step.sharding import is_dtensor, local_view
+from lightning_amp_plus.step.sharding import is_dtensor
 
 __all__ = ["MixedPrecisionMonitor"]
 
@@ -160,10 +159,7 @@ class MixedPrecisionMonitor(Callback):
         headroom_interval = check_int(name, "headroom_interval", headroom_interval, 0, hint=" (0: never), e.g. 50")
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
-        self.skip_window = skip_window
-        self.skip_warn_rate = skip_warn_rate
         self.log_memory = log_memory
-        self.prog_bar = prog_bar
         self._examiner = Examiner(autopsy, autopsy_limit, headroom_interval)
         # Checked now, before any training: a chart that cannot be written must not cost a whole run.
         self.report_path = None if report_path is None else check_chart_path(report_path)
@@ -175,15 +171,33 @@ class MixedPrecisionMonitor(Callback):
         """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
         self._source: StepSource = ScaleReadSteps(None)
         self._watch = _SkipWatch(skip_window, skip_warn_rate)
-        self._skips_seen = 0
-        self._cpu_memory_said = False
+        self._memory = _memory.MemoryReader()
         self._log_this_step = True
-        self._bar_scale: float | None = None
-        self._named: list[tuple[str, Tensor]] = []  # the checked model's parameters by name, read once per model
-        self._named_model: nn.Module | None = None
+        self._step_metrics = _StepMetrics(prog_bar)
+        # The checked model and its parameters by name, read once per model (walking the tree costs more than a check).
+        self._named_of: tuple[nn.Module | None, list[tuple[str, Tensor]]] = (None, [])
         self._training = False  # a fit is under way whose summary is not out yet
 
     # ---------------------------------------------------------------------------------------------- readings
+    @property
+    def prog_bar(self) -> bool:
+        """Whether the loss scale is shown on the progress bar."""
+        return self._step_metrics.prog_bar
+
+    @property
+    def skip_window(self) -> int:
+        """How many recent steps the skip rate is taken over."""
+        return self._watch.window
+
+    @property
+    def skip_warn_rate(self) -> float:
+        """The skip rate over the window above which the monitor warns."""
+        return self._watch.warn_rate
+
+    @property
+    def _named(self) -> list[tuple[str, Tensor]]:
+        return self._named_of[1]
+
     @property
     def autopsies(self) -> list[Autopsy]:
         """The autopsies of this run, oldest first (at most ``autopsy_limit``; a cause found again is said once)."""
@@ -215,7 +229,7 @@ class MixedPrecisionMonitor(Callback):
         self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
         self._training = True  # until this fit's summary is out
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
-        self._named, self._named_model = user_names(pl_module), pl_module
+        self._named_of = (pl_module, user_names(pl_module))
 
     @override
     def on_train_batch_start(
@@ -244,8 +258,8 @@ class MixedPrecisionMonitor(Callback):
         steps = self._source.take()
         if not steps:
             return  # an accumulating micro-batch: no optimizer step to report
-        memory = self._memory(trainer) if self.log_memory and self._log_this_step else {}
-        for key, value in self._metrics(steps, memory, everything=self._log_this_step).items():
+        memory = self._memory.of_trainer(trainer) if self.log_memory and self._log_this_step else {}
+        for key, value in self._step_metrics.of(steps, memory, everything=self._log_this_step).items():
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
                           prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
@@ -322,8 +336,8 @@ class MixedPrecisionMonitor(Callback):
         if not steps:
             return {}
         first = steps[0].index if step is None else step
-        memory = self._cpu_or_cuda_memory(model) if self.log_memory else {}
-        metrics = self._metrics(steps, memory, everything=True)
+        memory = self._memory.of_model(model) if self.log_memory else {}
+        metrics = self._step_metrics.of(steps, memory, everything=True)
         self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         last = (first or 0) + len(steps) - 1
         if model is not None and replay is not None:
@@ -335,8 +349,8 @@ class MixedPrecisionMonitor(Callback):
 
     def _names_of(self, model: nn.Module) -> list[tuple[str, Tensor]]:
         """``model``'s parameters by name, read once (walking the module tree costs more than the check itself)."""
-        if self._named_model is not model:
-            self._named, self._named_model = user_names(model), model
+        if self._named_of[0] is not model:
+            self._named_of = (model, user_names(model))
         return self._named
 
     def summary(self) -> str:
@@ -368,11 +382,11 @@ class MixedPrecisionMonitor(Callback):
     def _start(self, source: StepSource, memory_kind: str | None) -> None:
         self._source = source
         self.history = AmpHistory(memory_kind=memory_kind or "process memory")
-        self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)
+        self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)  # afresh for each run
         self.should_stop = False
         self._examiner.reset()
         # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
-        self._skips_seen = source.skips_so_far()
+        self._step_metrics.skips_seen = source.skips_so_far()
 
     def _finish(self) -> None:
         """The end of a fit (finished or stopped): the summary printed and the chart written, once."""
@@ -395,52 +409,9 @@ class MixedPrecisionMonitor(Callback):
                 self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
             self._watch.watch(self.history, self._source.floor())
 
-    def _metrics(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
-        # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
-        # its loggers; between them only a changed loss scale is, for the progress bar.
-        self._skips_seen += sum(step.skipped for step in steps)
-        scale = steps[0].scale  # one scale per batch: the scaler updates once for all of the batch's steps
-        metrics: dict[str, float] = {}
-        if scale is not None and (everything or (self.prog_bar and scale != self._bar_scale)):
-            metrics["amp/loss_scale"] = self._bar_scale = scale
-        if not everything:
-            return metrics
-        metrics["amp/skipped_steps"] = float(self._skips_seen)
-        metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
-        norms = [step.grad_norm for step in steps if step.grad_norm is not None]
-        if norms:
-            # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
-            metrics["amp/grad_norm"] = math.sqrt(sum(norm * norm for norm in norms))
-        if len({step.optimizer for step in steps}) > 1:
-            for step in steps:
-                if step.grad_norm is not None:
-                    metrics[f"amp/grad_norm_opt{step.optimizer}"] = step.grad_norm
-        metrics.update({f"amp/{key}": value for key, value in memory.items()})
-        return metrics
-
     def _checking(self, count: int) -> bool:
         # Inside a step `count` is the index of the step being taken; after it, the number of steps finished.
         return count % self.check_interval == 0
-
-    def _memory(self, trainer: pl.Trainer) -> dict[str, float]:
-        if _on_cuda(trainer):
-            return _memory.cuda_memory_mb(trainer.strategy.root_device)
-        return self._cpu_memory()
-
-    def _cpu_or_cuda_memory(self, model: nn.Module | None) -> dict[str, float]:
-        param = None if model is None else next(model.parameters(), None)
-        if param is not None and param.device.type == "cuda":
-            return _memory.cuda_memory_mb(param.device)
-        return self._cpu_memory()
-
-    def _cpu_memory(self) -> dict[str, float]:
-        if not self._cpu_memory_said:
-            self._cpu_memory_said = True
-            rank_zero_info(
-                "MixedPrecisionMonitor: not on CUDA, so it reports the process's resident memory (amp/cpu_rss_mb) "
-                "instead of CUDA memory."
-            )
-        return {"cpu_rss_mb": _memory.process_rss_mb()}
 
     def _found(self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int) -> None:
         if not names:
@@ -453,7 +424,7 @@ class MixedPrecisionMonitor(Callback):
         if self.on_nonfinite == "warn":
             rank_zero_warn(message)
             return
-        self.debug_path = self._save_debug(trainer, module, kind, names, step)
+        self.debug_path = save_debug_file(trainer, module, kind, names, step, self._named, self.history)
         self.should_stop = True
         if trainer is not None:
             trainer.should_stop = True
@@ -462,32 +433,6 @@ class MixedPrecisionMonitor(Callback):
             for _, param in self._named:
                 param.grad = None
         rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
-
-    def _save_debug(
-        self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int
-    ) -> Path:
-        folder = Path(trainer.default_root_dir) if trainer is not None else Path.cwd()
-        path = folder / f"amp_nonfinite_step{step if trainer is None else trainer.global_step}.pt"
-        # On every rank: under FSDP the module's state_dict() is a collective; rank zero alone would wait forever.
-        state = {key: local_view(value).detach().cpu() for key, value in module.state_dict().items()}
-        if trainer is None or trainer.is_global_zero:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            named = self._named or user_names(module)
-            grads = {n: local_view(p.grad).detach().cpu() for n, p in named if p.grad is not None}
-            scale = self.history.steps[-1].scale if self.history.steps else None
-            torch.save(
-                {
-                    "global_step": step if trainer is None else trainer.global_step,
-                    "kind": kind,
-                    "names": names,
-                    "loss_scale": scale,
-                    "state_dict": state,
-                    "grads": grads,
-                    "history": [asdict(record) for record in self.history.steps[-100:]],
-                },
-                path,
-            )
-        return path
 
 
 # --------------------------------------------------------------------------------------------- step sources
@@ -504,6 +449,42 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
     return True if connector is None else bool(connector.should_update_logs)
 
 
+class _StepMetrics:
+    """The ``amp/...`` metrics of each batch, and what they carry from batch to batch.
+
+    State: the skips counted so far (a resumed run's included) and the loss scale last shown on the progress bar.
+    """
+
+    def __init__(self, prog_bar: bool) -> None:
+        self.prog_bar = prog_bar
+        self.skips_seen = 0
+        self.bar_scale: float | None = None
+
+    def of(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
+        """The ``amp/...`` metrics of one batch's optimizer steps (``everything``: on the steps Lightning logs)."""
+        # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
+        # its loggers; between them only a changed loss scale is, for the progress bar.
+        self.skips_seen += sum(step.skipped for step in steps)
+        scale = steps[0].scale  # one scale per batch: the scaler updates once for all of the batch's steps
+        metrics: dict[str, float] = {}
+        if scale is not None and (everything or (self.prog_bar and scale != self.bar_scale)):
+            metrics["amp/loss_scale"] = self.bar_scale = scale
+        if not everything:
+            return metrics
+        metrics["amp/skipped_steps"] = float(self.skips_seen)
+        metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
+        norms = [step.grad_norm for step in steps if step.grad_norm is not None]
+        if norms:
+            # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
+            metrics["amp/grad_norm"] = math.sqrt(sum(norm * norm for norm in norms))
+        if len({step.optimizer for step in steps}) > 1:
+            for step in steps:
+                if step.grad_norm is not None:
+                    metrics[f"amp/grad_norm_opt{step.optimizer}"] = step.grad_norm
+        metrics.update({f"amp/{key}": value for key, value in memory.items()})
+        return metrics
+
+
 class _SkipWatch:
     """Warns when too many recent steps are skipped, or when the loss scale sits at its floor (each once).
 
@@ -511,8 +492,8 @@ class _SkipWatch:
     """
 
     def __init__(self, window: int, warn_rate: float) -> None:
+        self.window, self.warn_rate = window, warn_rate
         self._recent: deque[bool] = deque(maxlen=window)
-        self._warn_rate = warn_rate
         self._applied_yet = False
         self._floor_warned = False
 
@@ -526,10 +507,10 @@ class _SkipWatch:
             self._recent.clear()
         self._recent.append(last.skipped)
         window = len(self._recent)
-        if window == self._recent.maxlen and sum(self._recent) / window > self._warn_rate:
+        if window == self._recent.maxlen and sum(self._recent) / window > self.warn_rate:
             rank_zero_warn(
                 f"MixedPrecisionMonitor: {sum(self._recent)} of the last {window} optimizer steps were skipped for "
-                f"non-finite gradients (more than {self._warn_rate:.0%}); last overflowing parameters: "
+                f"non-finite gradients (more than {self.warn_rate:.0%}); last overflowing parameters: "
                 f"{history.nonfinite_events[-1][2] if history.nonfinite_events else 'unknown'}. If it persists, lower "
                 "the learning rate, clip gradients, or check the data for inf/NaN.",
                 category=RuntimeWarning,

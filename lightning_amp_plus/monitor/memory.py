@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 import torch
 
-__all__ = ["cuda_memory_mb", "peak_rss_mb", "process_rss_mb", "reset_cuda_peak", "reset_peak_rss"]
+__all__ = ["MemoryReader", "cuda_memory_mb", "peak_rss_mb", "process_rss_mb", "reset_cuda_peak", "reset_peak_rss"]
 
 _MB = 1024.0 * 1024.0
 
@@ -79,3 +80,34 @@ def reset_peak_rss() -> bool:
     except OSError:
         return False
     return True
+
+
+class MemoryReader:
+    """The memory a monitor reports: CUDA's allocator statistics, or the process's resident memory on the CPU.
+
+    State: whether it has said once that it reports the process's resident memory (not on CUDA).
+    """
+
+    def __init__(self) -> None:
+        self._cpu_said = False
+
+    def of_trainer(self, trainer: Any) -> dict[str, float]:
+        """The memory of the Trainer's device (its root device)."""
+        device = trainer.strategy.root_device
+        return cuda_memory_mb(device) if device.type == "cuda" else self._cpu()
+
+    def of_model(self, model: torch.nn.Module | None) -> dict[str, float]:
+        """The memory of the device ``model`` is on (the CPU's without a model)."""
+        param = None if model is None else next(model.parameters(), None)
+        return cuda_memory_mb(param.device) if param is not None and param.device.type == "cuda" else self._cpu()
+
+    def _cpu(self) -> dict[str, float]:
+        if not self._cpu_said:
+            self._cpu_said = True
+            from lightning.fabric.utilities import rank_zero_info  # here: amp-plus compare reads memory alone
+
+            rank_zero_info(
+                "MixedPrecisionMonitor: not on CUDA, so it reports the process's resident memory (amp/cpu_rss_mb) "
+                "instead of CUDA memory."
+            )
+        return {"cpu_rss_mb": process_rss_mb()}

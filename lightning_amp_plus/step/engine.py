@@ -117,9 +117,8 @@ class StepEngine:
             norms gives the global norm and the skip decision everywhere (:mod:`~.sharding`). Replaces the MAX.
         recent_steps: the last optimizer steps' results, newest last (1024 kept).
 
-    State (besides those): each optimizer's pass this iteration; the skip counter and the fused steps not counted yet;
-    the count of steps recorded; the optimizers' positions and the parameters' names; the LR schedulers held; the
-    compensators.
+    State (besides those): each optimizer's pass this iteration, the skip counter, the fused steps not counted yet, the
+    count of steps recorded, the optimizers' positions, the parameters' names, the compensators.
     """
 
     def __init__(
@@ -365,14 +364,7 @@ class StepEngine:
         counters = {key: read_count(state, key, 0) for key in self._skips.counters()}
         if self.loss_scale is not None:
             self.loss_scale.load_state_dict(state)
-            mine = self.scaler_state_dict()
-            differing = {key: state[key] for key in _CONSTANTS if key in state and state[key] != mine[key]}
-            if differing:
-                warnings.warn(
-                    f"The saved scaler was built with {differing}; this one keeps its own "
-                    f"{ {key: mine[key] for key in differing} }.",
-                    stacklevel=3,
-                )
+            _warn_if_built_otherwise(state, self.scaler_state_dict())
         self._passes, self._fused = {}, PendingReads()
         self._skips.restore(counters)
 
@@ -507,6 +499,17 @@ class StepEngine:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _warn_if_built_otherwise(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Say which constants a loaded scaler state was built with that differ from this engine's (which stay)."""
+    differing = {key: saved[key] for key in _CONSTANTS if key in saved and saved[key] != mine[key]}
+    if differing:
+        warnings.warn(
+            f"The saved scaler was built with {differing}; this one keeps its own "
+            f"{ {key: mine[key] for key in differing} }.",
+            stacklevel=4,
+        )
+
+
 def _nonfinite_names(engine: StepEngine, optimizer: Optimizer, owners: list[Tensor], norms: Tensor | None) -> list[str]:
     """The names of ``owners`` whose gradient norm is non-finite (a host read, made only for a skipped step)."""
     with torch.no_grad():
