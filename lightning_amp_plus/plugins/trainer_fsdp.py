@@ -26,10 +26,9 @@ from typing_extensions import override
 
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, check_fsdp_precision, plugin_str, unwrapped
-from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting
+from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting, widen_for_fit_
 from lightning_amp_plus.step.engine import EngineReadings
 from lightning_amp_plus.step.scaler import DynamicLossScaler
-from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -131,9 +130,10 @@ class FSDPMixedPrecisionPlugin(EngineReadings, FSDPPrecision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         # FSDP keeps the shards in the parameters' dtype and, with master weights, makes the half copies itself. The
-        # masters are FP32: parameters built in a half dtype are widened now, before FSDP flattens them into shards.
+        # masters are FP32: a model built in a half dtype is widened now (parameters and floating buffers), before
+        # FSDP flattens it into shards.
         if self.master_weights and fitting(module):
-            widen_to_fp32_(half_parameters(module))
+            widen_for_fit_(type(self).__name__, module)
         return module
 
     @override
