@@ -258,7 +258,7 @@ def train(task: str, variant: Variant, lr: float, seed: int, steps: int, marks: 
         "loss": window[str(steps)],
         "loss_at": window,
         "finite": all(math.isfinite(x) for x in losses),
-        "bytes_per_param": footprint(run.optimizer, run.compensator).per_parameter,
+        "bytes_per_param": footprint(run.optimizer, run.compensator).per_trainable_parameter,
         "parameters": sum(p.numel() for p in run.model.parameters()),
     }
 
