@@ -702,6 +702,17 @@ def per_model_parameter(params: Iterable[Tensor], footprints: Iterable[Footprint
     ``params`` are the model's parameters (each counted once); ``footprints`` the optimizers' (:func:`footprint`).
     Unlike :attr:`Footprint.per_trainable_parameter`, this divides by the whole model, so a model that trains a few
     adapters reads close to its weights' own bytes per parameter.
+
+    Examples:
+        >>> base, adapter = torch.nn.Linear(64, 64).bfloat16().requires_grad_(False), torch.nn.Linear(64, 2).bfloat16()
+        >>> opt = torch.optim.SGD(adapter.parameters(), lr=0.1, momentum=0.9)
+        >>> compensator = Compensator(opt, "kahan")
+        >>> adapter(torch.ones(1, 64, dtype=torch.bfloat16)).sum().backward(); compensator.step()
+        >>> footprint(opt, compensator).per_trainable_parameter  # weight, Kahan buffer, momentum: 2 bytes each
+        6.0
+        >>> every = [*base.parameters(), *adapter.parameters()]  # 4,160 frozen and 130 trained: 2 x 4,290 + 4 x 130
+        >>> round(per_model_parameter(every, [footprint(opt, compensator)]), 3)
+        2.121
     """
     unique = list({id(p): p for p in params}.values())
     count = sum(local_view(p).numel() for p in unique)
