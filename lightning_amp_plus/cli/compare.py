@@ -134,7 +134,8 @@ class ConfigResult:
         seconds: wall time of the run (training and validation).
         ratio: ``step_ms`` over 32-true's (``None`` when 32-true was not run).
         bytes_per_param: the model's weights, compensation buffers and optimizer state after training, in bytes per
-            parameter, counted from the tensors (``numerics.compensated.footprint``).
+            trainable parameter (every parameter of the shipped models trains), counted from the tensors
+            (``weights.compensated.footprint``).
     """
 
     config: str
@@ -297,13 +298,16 @@ def run_config(spec: RunSpec) -> ConfigResult:
 
 
 def _bytes_per_param(trainer: pl.Trainer) -> float | None:
-    """Weights + compensation + optimizer state per parameter, counted from the tensors (one optimizer)."""
+    """Weights + compensation + optimizer state per trainable parameter, counted from the tensors (one optimizer).
+
+    Every parameter of the shipped models trains, so this is also the figure per model parameter.
+    """
     compensators = getattr(getattr(trainer.precision_plugin, "engine", None), "compensators", None)
     footprints = [] if compensators is None else compensators.footprints()
     if footprints:
-        per_parameter: float = footprints[0].per_parameter
+        per_parameter: float = footprints[0].per_trainable_parameter
         return per_parameter
-    return footprint(trainer.optimizers[0]).per_parameter if trainer.optimizers else None
+    return footprint(trainer.optimizers[0]).per_trainable_parameter if trainer.optimizers else None
 
 
 def _trainer(spec: RunSpec, config: PrecisionSetup, timer: StepTimer) -> pl.Trainer:

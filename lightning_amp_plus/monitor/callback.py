@@ -343,6 +343,8 @@ class MixedPrecisionMonitor(Callback):
         if model is not None and replay is not None:
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
+        if model is not None:
+            self._names_of(model)  # its parameters, read once per model: the check's and the summary's
         if model is not None and self._checking(last + 1):
             self._found(None, model, "parameters", nonfinite_names(self._names_of(model)), last)
         return metrics
@@ -355,7 +357,7 @@ class MixedPrecisionMonitor(Callback):
 
     def summary(self) -> str:
         """The one-paragraph summary of the run so far (what ``fit`` prints at its end)."""
-        self.history.notes = self._source.notes()
+        self.history.notes = self._source.notes([param for _, param in self._named])
         return summary(self.history)
 
     def write_chart(self, path: str | Path | None = None) -> Path:

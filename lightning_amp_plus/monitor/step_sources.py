@@ -7,12 +7,16 @@ and reads a ``GradScaler``'s skips off its scale (:class:`ScaleReadSteps`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import lightning.pytorch as pl
+from torch import Tensor
 
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.sharding import local_view
+from lightning_amp_plus.weights.compensated import per_model_parameter
 
 __all__ = ["EngineSteps", "ScaleReadSteps", "StepSource", "source_for"]
 
@@ -38,8 +42,11 @@ class StepSource(Protocol):
     def take(self) -> list[StepResult]:
         """The steps taken since the last call, in order."""
 
-    def notes(self) -> list[str]:
-        """What the summary should say about how the steps were taken (compensated weights), if anything."""
+    def notes(self, params: Sequence[Tensor] = ()) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything.
+
+        ``params``: the model's parameters, frozen ones included (none if the model is not known).
+        """
 
 
 class EngineSteps:
@@ -81,18 +88,26 @@ class EngineSteps:
         """The engine's results numbered ``_next`` and later, oldest first."""
         return [result for result in self.engine.recent_steps if (result.index or 0) >= self._next]
 
-    def notes(self) -> list[str]:
-        """What the summary should say about how the steps were taken (compensated weights), if anything."""
+    def notes(self, params: Sequence[Tensor] = ()) -> list[str]:
+        """What the summary should say about how the steps were taken (compensated weights), if anything.
+
+        The bytes are given per trainable parameter (those the optimizers train) and, when the model's ``params`` are
+        known, per model parameter (frozen ones included): two named figures, so that neither changes meaning with
+        what the optimizer was handed.
+        """
         compensators = self.engine.compensators
         footprints = [] if compensators is None else compensators.footprints()
         if compensators is None or not footprints:
             return []
-        per_parameter = sum(f.weights + f.compensation + f.states for f in footprints) / max(
-            sum(f.parameters for f in footprints), 1
-        )
+        trainable = sum(f.parameters for f in footprints)
+        per_trainable = sum(f.weights + f.compensation + f.states for f in footprints) / max(trainable, 1)
+        said = f"{per_trainable:.1f} bytes per trainable parameter"
+        if params:
+            total = sum(local_view(p).numel() for p in {id(p): p for p in params}.values())
+            per_model = per_model_parameter(params, footprints)
+            said += f" and {per_model:.1f} per model parameter ({trainable:,} of {total:,} parameters train)"
         return [
-            f"bf16 weights compensated ({compensators.method}): {per_parameter:.1f} bytes per parameter of "
-            "weights, compensation and optimizer state"
+            f"bf16 weights compensated ({compensators.method}): weights, compensation and optimizer state hold " + said
         ]
 
 
@@ -141,7 +156,7 @@ class ScaleReadSteps:
             for i, (before, next_scale) in enumerate(zip(scales, after, strict=True))
         ]
 
-    def notes(self) -> list[str]:
+    def notes(self, params: Sequence[Tensor] = ()) -> list[str]:
         """What the summary should say about how the steps were taken (compensated weights), if anything."""
         return []
 

@@ -55,7 +55,7 @@ from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_
 from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
-from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
+from lightning_amp_plus.weights.master import refuse_half_masters, widen_model_
 
 __all__ = ["MixedPrecisionPlugin"]
 
@@ -160,7 +160,9 @@ class MixedPrecisionPlugin(Readings, Precision):
             module = module.to(dtype=torch.bfloat16)  # as Fabric's bf16-true: parameters and buffers
         if self.settings.master_weights:
             refuse_sharded_master_weights(self._name(), module)
-            widen_to_fp32_(half_parameters(module))  # FP32 masters, before Fabric moves and wraps the model
+            # FP32 masters (parameters and the buffers they compute with), before Fabric moves and wraps the model:
+            # `fabric.setup` is the first hook, and the model comes back from it FP32, before user code can copy it.
+            widen_model_(module)
         # Fabric converts before it moves the module to its device and wraps it (DDP, FSDP): the device and the
         # parameters' names are read from the module later, once it is where it will train.
         self._modules.append(weakref.ref(module))
@@ -265,6 +267,7 @@ class MixedPrecisionPlugin(Readings, Precision):
         # Fabric's clip_gradients calls this first: unscaled, checked and measured here, before any clipping (clipping
         # by value would turn inf into the clip value). Fused optimizers too: their step then takes the unscale path.
         self._set_up(optimizer)
+        self._refuse_half_masters(optimizer)
         self._begin_pass(optimizer)
         self.engine.prepare(optimizer)
 
@@ -289,10 +292,16 @@ class MixedPrecisionPlugin(Readings, Precision):
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         self._set_up(optimizer)
+        self._refuse_half_masters(optimizer)
         self._begin_pass(optimizer)
         output = self.engine.step(optimizer, **kwargs)
         self._stepped.add(id(optimizer))  # the scale moves at the next backward, after every optimizer has stepped
         return output
+
+    def _refuse_half_masters(self, optimizer: Optimizer) -> None:
+        if self.settings.master_weights:  # a half tensor written into a master since `fabric.setup`: refused now
+            names = lambda: [pair for module in self._live_modules() for pair in user_names(module)]  # noqa: E731
+            refuse_half_masters(self._name(), optimizer, names)
 
     def _begin_pass(self, optimizer: Optimizer) -> None:
         if id(optimizer) in self._stepped:

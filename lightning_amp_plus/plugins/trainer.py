@@ -47,7 +47,7 @@ from lightning_amp_plus.plugins.wrappers import unwrapped, user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
-from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
+from lightning_amp_plus.weights.master import refuse_half_copies, refuse_half_masters, widen_model_
 
 __all__ = ["MixedPrecisionPlugin", "skipped_steps"]
 
@@ -168,8 +168,8 @@ class MixedPrecisionPlugin(Readings, Precision):
             return module.to(dtype=torch.bfloat16)  # as Lightning's bf16-true: parameters and buffers
         if self.settings.master_weights and fitting(module):
             refuse_sharded_master_weights(type(self).__name__, module)
-            # The masters are FP32: parameters built in a half dtype are widened now, before DDP wraps the model.
-            widen_to_fp32_(half_parameters(module))
+            # The masters are FP32: a model built in a half dtype is widened now, before DDP wraps it.
+            widen_for_fit_(type(self).__name__, module)
         return module
 
     @override
@@ -290,9 +290,14 @@ class MixedPrecisionPlugin(Readings, Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
+        if self.settings.master_weights:
+            self._refuse_half_masters(optimizer, model)  # a half tensor written into a master since the last step
         if not self.engine.check:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            checked = self._checked(closure, optimizer, model) if self.settings.master_weights else closure
+            return super().optimizer_step(optimizer, model=model, closure=checked, **kwargs)
         closure_result = closure()  # forward under autocast, backward of the scaled loss
+        if self.settings.master_weights:
+            self._refuse_half_masters(optimizer, model)  # ...or during this step (training_step, backward hooks)
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: no backward ran. Hooks run (as Lightning's); nothing is stepped.
             self._after_closure(model, optimizer)
@@ -309,6 +314,19 @@ class MixedPrecisionPlugin(Readings, Precision):
         else:
             self._update_pending = True
         return output
+
+    def _refuse_half_masters(self, optimizer: Any, model: nn.Module) -> None:
+        refuse_half_masters(type(self).__name__, optimizer, lambda: user_names(model))
+
+    def _checked(self, closure: Callable[[], Any], optimizer: Any, model: nn.Module) -> Callable[[], Any]:
+        """``closure``, then the master check (Lightning's own step runs the closure inside ``optimizer.step``)."""
+
+        def checked() -> Any:
+            result = closure()
+            self._refuse_half_masters(optimizer, model)
+            return result
+
+        return checked
 
     # ------------------------------------------------------------------------------------------------ clipping
     @override
@@ -337,6 +355,21 @@ class MixedPrecisionPlugin(Readings, Precision):
             if key in checkpoint:
                 _plugin_state.load_grad_scaler_state(checkpoint[key], self.engine, key)
                 return
+
+
+def widen_for_fit_(name: str, module: nn.Module) -> None:
+    """Widen a model built or loaded in half to FP32 masters at the Trainer's first precision hook, ``convert_module``.
+
+    The Trainer runs the callbacks' and the LightningModule's ``setup`` before that hook, on the model as it was
+    given: a half copy kept there (``StochasticWeightAveraging``'s, ``EMAWeightAveraging``'s, ``ModelPruning``'s lottery
+    ticket) would later average or restore half values into the FP32 masters. So such a copy is refused first, naming
+    the fix (``widen_model_(model)`` before ``fit``).
+    """
+    trainer = getattr(unwrapped(module), "_trainer", None)
+    holders = [*getattr(trainer, "callbacks", []), unwrapped(module)]
+    when = "in a `setup` hook (the Trainer runs those before any precision plugin hook)"
+    refuse_half_copies(name, module, holders, when)
+    widen_model_(module)
 
 
 def _hooks_may_read_gradients(module: nn.Module) -> bool:

@@ -26,10 +26,9 @@ from typing_extensions import override
 
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, Readings, check_fsdp_precision, half_dtype, plugin_str
-from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting
+from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting, widen_for_fit_
 from lightning_amp_plus.plugins.wrappers import unwrapped
 from lightning_amp_plus.step.scaler import DynamicLossScaler
-from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -110,9 +109,10 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         # FSDP keeps the shards in the parameters' dtype and, with master weights, makes the half copies itself. The
-        # masters are FP32: parameters built in a half dtype are widened now, before FSDP flattens them into shards.
+        # masters are FP32: a model built in a half dtype is widened now (parameters and floating buffers), before
+        # FSDP flattens it into shards.
         if self.settings.master_weights and fitting(module):
-            widen_to_fp32_(half_parameters(module))
+            widen_for_fit_(type(self).__name__, module)
         return module
 
     @override

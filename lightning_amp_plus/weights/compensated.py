@@ -29,7 +29,7 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -39,7 +39,15 @@ from torch import Tensor
 from lightning_amp_plus._checks import check_int, show
 from lightning_amp_plus.step.sharding import local_view
 
-__all__ = ["Compensators", "Compensator", "Footprint", "Method", "footprint", "round_stochastically"]
+__all__ = [
+    "Compensator",
+    "Compensators",
+    "Footprint",
+    "Method",
+    "footprint",
+    "per_model_parameter",
+    "round_stochastically",
+]
 
 Method = Literal["kahan", "stochastic"]
 # Exact types: a subclass may override step() with another algorithm, which the compensated math would silently replace.
@@ -231,7 +239,7 @@ class Compensator:
         >>> compensator.step()
         >>> sorted(opt.state[w]), opt.state[w]["exp_avg"].dtype, opt.state[w]["exp_avg_sq"].dtype
         (['exp_avg', 'exp_avg_sq', 'step'], torch.bfloat16, torch.float32)
-        >>> footprint(opt, compensator).per_parameter  # weights 2 + states 2 + 4, and a 4-byte step counter for 2
+        >>> footprint(opt, compensator).per_trainable_parameter  # weights 2 + states 2 + 4, a 4-byte step counter
         10.0
     """
 
@@ -700,13 +708,18 @@ def _step_dtype() -> torch.dtype:
 
 @dataclass(frozen=True)
 class Footprint:
-    """Bytes held for training, counted from the tensors (local values only: what this rank holds).
+    """Bytes held for training by one optimizer's trainable parameters, counted from the tensors (local values only).
+
+    The trainable parameters are those the optimizer holds with ``requires_grad``: frozen parameters passed to it too
+    (a LoRA model handed whole to AdamW) are not counted here, so :attr:`per_trainable_parameter` means the same
+    whether or not they were passed. What the whole model costs per parameter, frozen ones included, is
+    :func:`per_model_parameter`.
 
     Attributes:
-        parameters: the number of parameter elements.
-        weights: bytes of the parameters.
-        compensation: bytes of the Kahan buffers.
-        states: bytes of the optimizer's state tensors (moments, momentum, step counters).
+        parameters: the number of trainable parameter elements.
+        weights: bytes of those parameters.
+        compensation: bytes of their Kahan buffers.
+        states: bytes of their optimizer state tensors (moments, momentum, step counters).
     """
 
     parameters: int
@@ -715,30 +728,58 @@ class Footprint:
     states: int
 
     @property
-    def per_parameter(self) -> float:
-        """(weights + compensation + states) / parameters; gradients and activations are not counted."""
+    def per_trainable_parameter(self) -> float:
+        """(weights + compensation + states) / trainable parameters; gradients and activations are not counted."""
         return (self.weights + self.compensation + self.states) / max(self.parameters, 1)
 
 
 def footprint(optimizer: torch.optim.Optimizer, compensator: Compensator | None = None) -> Footprint:
-    """Count what ``optimizer``'s parameters, states and ``compensator``'s buffers hold, in bytes.
+    """Count what ``optimizer``'s trainable parameters, their states and ``compensator``'s buffers hold, in bytes.
 
     Examples:
-        >>> w = torch.nn.Parameter(torch.ones(1000))
-        >>> opt = torch.optim.AdamW([w])
+        >>> w, frozen = torch.nn.Parameter(torch.ones(1000)), torch.nn.Parameter(torch.ones(3000), requires_grad=False)
+        >>> opt = torch.optim.AdamW([w, frozen])
         >>> w.grad = torch.ones_like(w); opt.step()
-        >>> footprint(opt).per_parameter  # FP32 weight 4 + moments 8 (+ a 4-byte step counter)
+        >>> footprint(opt).per_trainable_parameter  # FP32 weight 4 + moments 8 (+ a 4-byte step counter)
         12.004
+        >>> per_model_parameter([w, frozen], [footprint(opt)])  # (4 x 4000 + 8 x 1000 + 4) / 4000: frozen included
+        6.001
     """
-    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}.values()
-    states = [value for p in params for value in optimizer.state.get(p, {}).values() if isinstance(value, Tensor)]
-    buffers = list(compensator._buffers.values()) if compensator is not None else []
+    trainable = {id(p): p for group in optimizer.param_groups for p in group["params"] if p.requires_grad}
+    states = [
+        value for p in trainable.values() for value in optimizer.state.get(p, {}).values() if isinstance(value, Tensor)
+    ]
+    buffers = [] if compensator is None else [b for param, b in compensator._buffers.items() if id(param) in trainable]
     return Footprint(
-        parameters=sum(local_view(p).numel() for p in params),
-        weights=_nbytes(params),
+        parameters=sum(local_view(p).numel() for p in trainable.values()),
+        weights=_nbytes(trainable.values()),
         compensation=_nbytes(buffers),
         states=_nbytes(states),
     )
+
+
+def per_model_parameter(params: Iterable[Tensor], footprints: Iterable[Footprint]) -> float:
+    """(every parameter's bytes + the optimizers' compensation and states) / every parameter: frozen ones included.
+
+    ``params`` are the model's parameters (each counted once); ``footprints`` the optimizers' (:func:`footprint`).
+    Unlike :attr:`Footprint.per_trainable_parameter`, this divides by the whole model, so a model that trains a few
+    adapters reads close to its weights' own bytes per parameter.
+
+    Examples:
+        >>> base, adapter = torch.nn.Linear(64, 64).bfloat16().requires_grad_(False), torch.nn.Linear(64, 2).bfloat16()
+        >>> opt = torch.optim.SGD(adapter.parameters(), lr=0.1, momentum=0.9)
+        >>> compensator = Compensator(opt, "kahan")
+        >>> adapter(torch.ones(1, 64, dtype=torch.bfloat16)).sum().backward(); compensator.step()
+        >>> footprint(opt, compensator).per_trainable_parameter  # weight, Kahan buffer, momentum: 2 bytes each
+        6.0
+        >>> every = [*base.parameters(), *adapter.parameters()]  # 4,160 frozen and 130 trained: 2 x 4,290 + 4 x 130
+        >>> round(per_model_parameter(every, [footprint(opt, compensator)]), 3)
+        2.121
+    """
+    unique = list({id(p): p for p in params}.values())
+    count = sum(local_view(p).numel() for p in unique)
+    held = _nbytes(unique) + sum(f.compensation + f.states for f in footprints)
+    return held / max(count, 1)
 
 
 def _nbytes(tensors: Any) -> int:

@@ -319,4 +319,38 @@ def test_the_monitors_summary_says_how_the_bf16_weights_were_kept_and_what_they_
     train(Student(), bf16_true("kahan"), steps=3, callbacks=[monitor])
     # AdamW: a bf16 weight (2), a bf16 Kahan buffer (2), a bf16 first moment (2), an FP32 second moment (4), and the
     # step counters (4 bytes per parameter tensor: a little above 10).
-    assert "bf16 weights compensated (kahan): 10.0 bytes per parameter" in monitor.summary()
+    summary = monitor.summary()
+    assert (
+        "bf16 weights compensated (kahan): weights, compensation and optimizer state hold 10.0 bytes per trainable "
+        "parameter and 10.0 per model parameter (1,153 of 1,153 parameters train)"
+    ) in summary
+
+
+class Adapted(Student):
+    """A frozen layer and a trainable adapter beside it (the LoRA shape); the optimizer gets every parameter, frozen
+    ones included, or only the trainable ones."""
+
+    def __init__(self, everything: bool) -> None:
+        super().__init__()
+        self.net[0].requires_grad_(False)
+        self.everything = everything
+
+    def configure_optimizers(self) -> Any:
+        params = self.parameters() if self.everything else [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr)
+
+
+def test_the_bytes_per_parameter_are_two_named_figures_whatever_the_optimizer_was_handed() -> None:
+    """Before: one figure, 3.1 bytes per parameter with the frozen parameters in the optimizer and 10.0 without, for the
+    same model. Now the figure per trainable parameter and the one per model parameter, each the same either way."""
+    from lightning_amp_plus import MixedPrecisionMonitor
+
+    summaries = []
+    for everything in (True, False):
+        monitor = MixedPrecisionMonitor(log_memory=False)
+        train(Adapted(everything), bf16_true("kahan"), steps=3, callbacks=[monitor])
+        summaries.append(monitor.summary())
+    # 65 trainable parameters (the 64-wide output layer and its bias) at 10 bytes and a little for the step counters;
+    # the 1,088 frozen ones hold their 2-byte bf16 weights only: (65 x 10.06 + 1,088 x 2) / 1,153 = 2.5.
+    note = "hold 10.1 bytes per trainable parameter and 2.5 per model parameter (65 of 1,153 parameters train)"
+    assert note in summaries[0] and note in summaries[1]

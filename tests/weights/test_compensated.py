@@ -309,7 +309,7 @@ def test_the_footprint_counts_weights_buffers_and_states_from_the_tensors(
     compensator.step()
     counted = footprint(optimizer, compensator)
     assert counted.parameters == 4096 and counted.weights == 2 * 4096
-    assert counted.per_parameter == expected + 4 / 4096  # and the step counter, a 4-byte FP32 scalar
+    assert counted.per_trainable_parameter == expected + 4 / 4096  # and the step counter, a 4-byte FP32 scalar
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

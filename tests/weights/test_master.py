@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
-from lightning_amp_plus.weights.master import half_parameters, widen_to_fp32_
+from lightning_amp_plus.weights.master import half_copies, half_parameters, widen_model_, widen_to_fp32_
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
@@ -348,6 +348,42 @@ def test_half_parameters_are_found_and_widened_in_place() -> None:
     widen_to_fp32_(found)
     assert [id(p) for p in lm.parameters()] == objects  # the same Parameter objects (an optimizer keeps them)
     assert {p.dtype for p in lm.parameters()} == {torch.float32, torch.float64}
+
+
+def test_widen_model_widens_floating_buffers_in_place_and_leaves_counts_masks_and_float64() -> None:
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(torch.bfloat16)
+    net.register_buffer("mask", torch.ones(3, dtype=torch.bool))
+    net.register_buffer("scale", torch.full((3,), 0.1, dtype=torch.float64))
+    net.register_buffer("positions", torch.arange(3, dtype=torch.bfloat16), persistent=False)  # data, held as floats
+    objects = {name: id(t) for name, t in [*net.named_parameters(), *net.named_buffers()]}
+    values = {name: t.clone() for name, t in net.named_buffers()}
+    assert widen_model_(net) == [
+        "0.weight", "0.bias", "1.weight", "1.bias", "positions", "1.running_mean", "1.running_var"
+    ]  # fmt: skip
+    assert {name: id(t) for name, t in [*net.named_parameters(), *net.named_buffers()]} == objects  # the same objects
+    dtypes = {name: t.dtype for name, t in net.named_buffers()}
+    assert dtypes["1.num_batches_tracked"] == torch.int64 and dtypes["mask"] == torch.bool
+    assert dtypes["scale"] == torch.float64 and dtypes["positions"] == dtypes["1.running_var"] == torch.float32
+    for name, before in values.items():  # every half value is an FP32 value: widening changes none
+        assert torch.equal(net.get_buffer(name), before)
+
+
+def test_half_copies_finds_copies_kept_in_attributes_and_containers_not_the_models_own_tensors() -> None:
+    model = nn.Sequential(nn.Linear(2, 4), nn.LayerNorm(4)).to(torch.bfloat16)
+
+    class Holder:
+        def __init__(self) -> None:
+            self.model = model  # the model itself: not a copy
+            self.layers = [(model[0], "weight")]  # its own submodules: not copies
+            self.weight = model[0].weight  # its own parameter: not a copy
+            self.wide = copy.deepcopy(model).float()  # an FP32 copy: nothing half to round
+            self.other = torch.zeros(7, dtype=torch.bfloat16)  # a half tensor of no parameter's shape
+            self.records = {0: {"data": copy.deepcopy(model[1])}}  # a half copy, two containers deep
+            self.snapshot = [model[0].weight.detach().clone()]  # a half tensor copy in a list
+
+    assert half_copies(Holder(), model) == ["records[0]['data']", "snapshot[0]"]
+    model.float()
+    assert half_copies(Holder(), model) == []  # nothing of the model is half any more: nothing to round
 
 
 # -------------------------------------------------- 4, 5. clipping by norm, GPT-2's Conv1D, a real transformer
