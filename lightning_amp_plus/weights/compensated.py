@@ -274,7 +274,7 @@ class Compensator:
         self._buffers: dict[Tensor, Tensor] = {}
         self._generators: dict[torch.device, torch.Generator] = {}
         self._pending: list[tuple[Tensor, str, Tensor]] = []
-        self._check_groups()
+        _check_groups(self.optimizer)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -289,7 +289,7 @@ class Compensator:
             RuntimeError: a bf16 parameter has a sparse gradient, or the states loaded by :meth:`load_state_dict`
                 do not match the optimizer's (it was not loaded, or from another checkpoint).
         """
-        self._check_groups()
+        _check_groups(self.optimizer)
         self._restore_pending()
         compensated = self._compensated()
         for group, param, grad in compensated:
@@ -369,8 +369,8 @@ class Compensator:
             state["exp_avg_sq"] = torch.zeros_like(
                 param, dtype=self.exp_avg_sq_dtype, memory_format=torch.preserve_format
             )
-        self._cast_state(state, "exp_avg", self.exp_avg_dtype)
-        self._cast_state(state, "exp_avg_sq", self.exp_avg_sq_dtype)
+        _cast_state(state, "exp_avg", self.exp_avg_dtype)
+        _cast_state(state, "exp_avg_sq", self.exp_avg_sq_dtype)
         state["step"] += 1
         return {"exp_avg": local_view(state["exp_avg"]), "exp_avg_sq": local_view(state["exp_avg_sq"])}
 
@@ -386,7 +386,7 @@ class Compensator:
         first = "momentum_buffer" not in state or state["momentum_buffer"] is None
         if first:
             state["momentum_buffer"] = torch.zeros_like(param, dtype=self.exp_avg_dtype)
-        self._cast_state(state, "momentum_buffer", self.exp_avg_dtype)
+        _cast_state(state, "momentum_buffer", self.exp_avg_dtype)
         buffer = local_view(state["momentum_buffer"])
         return {"momentum_buffer": buffer, "new": buffer if first else None}
 
@@ -430,12 +430,6 @@ class Compensator:
         if buffer is not None and buffer32 is not None:
             _write_back(buffer, buffer32)
 
-    @staticmethod
-    def _cast_state(state: dict[str, Any], key: str, dtype: torch.dtype) -> None:
-        """Give ``state[key]`` the configured dtype (a stock optimizer's checkpoint holds it in the parameter's)."""
-        if state[key].dtype != dtype:
-            state[key] = state[key].to(dtype)
-
     def _write_weight(self, weight: Tensor, master: Tensor, buffer: Tensor | None) -> None:
         """Write the FP32 result into the bf16 weight: rounded to nearest with the error kept, or stochastically."""
         if self.method == "stochastic":
@@ -451,24 +445,6 @@ class Compensator:
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return generator
-
-    def _check_groups(self) -> None:
-        """Refuse options the compensated path lacks, and fp16 parameters (checked at every step: groups change)."""
-        name = type(self.optimizer).__name__
-        for index, group in enumerate(self.optimizer.param_groups):
-            for option, needed in _UNSUPPORTED_OPTIONS.items():
-                if group.get(option, needed) != needed:
-                    raise ValueError(
-                        f"`{name}({option}={show(group[option])})` (param group {index}) is not supported by the "
-                        f"Compensator: create the optimizer with {option}={needed}."
-                    )
-            for position, param in enumerate(group["params"]):
-                if param.dtype == torch.float16:
-                    raise ValueError(
-                        f"Parameter {position} of param group {index} is fp16: the Compensator compensates bf16 "
-                        "parameters and steps FP32 ones as torch does, but an fp16 one would lose its small updates "
-                        "silently. Convert the model to bf16 (or FP32)."
-                    )
 
     # ----------------------------------------------------------------------------------------------- checkpoints
 
@@ -490,7 +466,7 @@ class Compensator:
             exact.append([self._exact_states(param, pending) for param in group["params"]])
         return {
             "method": self.method,
-            "group_sizes": self._group_sizes(),
+            "group_sizes": _group_sizes(self.optimizer),
             "compensation": compensation,
             "exact_states": exact,
             "generators": [
@@ -526,39 +502,26 @@ class Compensator:
                 f"The Compensator state was saved with method={show(state_dict['method'])}; this Compensator uses "
                 f"{self.method!r}. Create it with method={show(state_dict['method'])} to resume that run."
             )
-        if state_dict["group_sizes"] != self._group_sizes():
+        if state_dict["group_sizes"] != _group_sizes(self.optimizer):
             raise ValueError(
                 f"The Compensator state was saved for param groups of sizes {show(state_dict['group_sizes'])}; this "
-                f"optimizer's are {self._group_sizes()}. Load it with the optimizer (and model) it was saved with."
+                f"optimizer's are {_group_sizes(self.optimizer)}. Load it with the optimizer (and model) it was saved "
+                "with."
             )
         buffers: dict[Tensor, Tensor] = {}
-        for position, param, saved in self._entries(state_dict["compensation"], "compensation"):
+        for position, param, saved in _entries(self.optimizer, state_dict["compensation"], "compensation"):
             if saved is not None:
                 buffers[param] = self._loaded_buffer(param, saved, position)
         pending: list[tuple[Tensor, str, Tensor]] = []
-        for position, param, states in self._entries(state_dict["exact_states"], "exact_states"):
+        for position, param, states in _entries(self.optimizer, state_dict["exact_states"], "exact_states"):
             if not isinstance(states, Mapping):
                 raise ValueError(f"The Compensator state's {position} must be a dict of tensors, not {show(states)}.")
             for key, tensor in states.items():
                 pending.append((param, key, _checked_state(param, key, tensor, f"{position}[{key!r}]")))
-        generators = self._loaded_generators(state_dict["generators"])
-        self._buffers, self._pending, self._generators = buffers, pending, generators
-
-    def _entries(self, nested: Any, name: str) -> Iterator[tuple[str, Tensor, Any]]:
-        """``(position, param, nested[group][index])`` for each parameter, once ``nested`` has the optimizer's shape."""
-        sizes = (
-            [len(values) if isinstance(values, list) else None for values in nested]
-            if isinstance(nested, list)
-            else None
+        generators = _loaded_generators(
+            state_dict["generators"], self._devices() if self.method == "stochastic" else []
         )
-        if sizes != self._group_sizes():
-            raise ValueError(
-                f"The Compensator state's {name!r} must be a list per param group with one entry per parameter "
-                f"(sizes {self._group_sizes()}), not {show(nested)}."
-            )
-        for g, (group, values) in enumerate(zip(self.optimizer.param_groups, nested, strict=True)):
-            for i, (param, value) in enumerate(zip(group["params"], values, strict=True)):
-                yield f"{name}[{g}][{i}]", param, value
+        self._buffers, self._pending, self._generators = buffers, pending, generators
 
     def _loaded_buffer(self, param: Tensor, saved: Any, position: str) -> Tensor:
         if self.method != "kahan" or param.dtype != torch.bfloat16:
@@ -588,27 +551,6 @@ class Compensator:
             state[key] = saved.to(local_view(state[key]).device)  # the same tensor when already there
         self._pending = []
 
-    def _loaded_generators(self, saved: Any) -> dict[torch.device, torch.Generator]:
-        devices = self._devices() if self.method == "stochastic" else []
-        if not isinstance(saved, list) or len(saved) != len(devices):
-            raise ValueError(
-                f"The Compensator state's 'generators' must be a list of {len(devices)} (one per device of the bf16 "
-                f"parameters under stochastic rounding), not {show(saved)}."
-            )
-        generators = {}
-        for device, entry in zip(devices, saved, strict=True):
-            if not isinstance(entry, Mapping) or entry.get("device_type") != device.type:
-                raise ValueError(
-                    f"The Compensator state holds a random stream of device type {show(_get(entry, 'device_type'))} "
-                    f"where this optimizer's parameters are on {device}: resume on the same kind of device."
-                )
-            state = entry.get("state")
-            if not isinstance(state, Tensor) or state.dtype != torch.uint8:
-                raise ValueError(f"The Compensator state's random stream must be a uint8 tensor, not {show(state)}.")
-            generators[device] = torch.Generator(device=device)
-            generators[device].set_state(state)
-        return generators
-
     def _devices(self) -> list[torch.device]:
         """The devices of the bf16 parameters' local values, in order of first appearance."""
         devices: dict[torch.device, None] = {}
@@ -618,8 +560,70 @@ class Compensator:
                     devices.setdefault(local_view(param).device, None)
         return list(devices)
 
-    def _group_sizes(self) -> list[int]:
-        return [len(group["params"]) for group in self.optimizer.param_groups]
+
+def _cast_state(state: dict[str, Any], key: str, dtype: torch.dtype) -> None:
+    """Give ``state[key]`` the configured dtype (a stock optimizer's checkpoint holds it in the parameter's)."""
+    if state[key].dtype != dtype:
+        state[key] = state[key].to(dtype)
+
+
+def _check_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse options the compensated path lacks, and fp16 parameters (checked at every step: groups change)."""
+    name = type(optimizer).__name__
+    for index, group in enumerate(optimizer.param_groups):
+        for option, needed in _UNSUPPORTED_OPTIONS.items():
+            if group.get(option, needed) != needed:
+                raise ValueError(
+                    f"`{name}({option}={show(group[option])})` (param group {index}) is not supported by the "
+                    f"Compensator: create the optimizer with {option}={needed}."
+                )
+        for position, param in enumerate(group["params"]):
+            if param.dtype == torch.float16:
+                raise ValueError(
+                    f"Parameter {position} of param group {index} is fp16: the Compensator compensates bf16 "
+                    "parameters and steps FP32 ones as torch does, but an fp16 one would lose its small updates "
+                    "silently. Convert the model to bf16 (or FP32)."
+                )
+
+
+def _entries(optimizer: torch.optim.Optimizer, nested: Any, name: str) -> Iterator[tuple[str, Tensor, Any]]:
+    """``(position, param, nested[group][index])`` for each parameter, once ``nested`` has the optimizer's shape."""
+    sizes = (
+        [len(values) if isinstance(values, list) else None for values in nested] if isinstance(nested, list) else None
+    )
+    if sizes != _group_sizes(optimizer):
+        raise ValueError(
+            f"The Compensator state's {name!r} must be a list per param group with one entry per parameter "
+            f"(sizes {_group_sizes(optimizer)}), not {show(nested)}."
+        )
+    for g, (group, values) in enumerate(zip(optimizer.param_groups, nested, strict=True)):
+        for i, (param, value) in enumerate(zip(group["params"], values, strict=True)):
+            yield f"{name}[{g}][{i}]", param, value
+
+
+def _loaded_generators(saved: Any, devices: list[torch.device]) -> dict[torch.device, torch.Generator]:
+    if not isinstance(saved, list) or len(saved) != len(devices):
+        raise ValueError(
+            f"The Compensator state's 'generators' must be a list of {len(devices)} (one per device of the bf16 "
+            f"parameters under stochastic rounding), not {show(saved)}."
+        )
+    generators = {}
+    for device, entry in zip(devices, saved, strict=True):
+        if not isinstance(entry, Mapping) or entry.get("device_type") != device.type:
+            raise ValueError(
+                f"The Compensator state holds a random stream of device type {show(_get(entry, 'device_type'))} "
+                f"where this optimizer's parameters are on {device}: resume on the same kind of device."
+            )
+        state = entry.get("state")
+        if not isinstance(state, Tensor) or state.dtype != torch.uint8:
+            raise ValueError(f"The Compensator state's random stream must be a uint8 tensor, not {show(state)}.")
+        generators[device] = torch.Generator(device=device)
+        generators[device].set_state(state)
+    return generators
+
+
+def _group_sizes(optimizer: torch.optim.Optimizer) -> list[int]:
+    return [len(group["params"]) for group in optimizer.param_groups]
 
 
 class Compensators:
