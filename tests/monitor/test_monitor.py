@@ -196,13 +196,15 @@ FP16_SKIPPED = FP16_OVERFLOW_STEPS | FP16_GRAD_INF_STEPS
 def fp16_run(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     torch.manual_seed(0)
     recorder = StepRecorder()
-    run = fit(
-        Faulty(overflow_steps=FP16_OVERFLOW_STEPS, grad_inf_steps=FP16_GRAD_INF_STEPS),
-        fp16_plugin(growth_interval=FP16_GROWTH_INTERVAL),
-        steps=FP16_STEPS,
-        log_dir=tmp_path_factory.mktemp("fp16"),
-        callbacks=[recorder],
-    )
+    # The injected non-finite loss is found by the autopsy and said (a warning the tests of the autopsy check).
+    with pytest.warns(RuntimeWarning, match="the loss is non-finite though every module's output is finite"):
+        run = fit(
+            Faulty(overflow_steps=FP16_OVERFLOW_STEPS, grad_inf_steps=FP16_GRAD_INF_STEPS),
+            fp16_plugin(growth_interval=FP16_GROWTH_INTERVAL),
+            steps=FP16_STEPS,
+            log_dir=tmp_path_factory.mktemp("fp16"),
+            callbacks=[recorder],
+        )
     run.recorder = recorder
     run.metrics = read_csv_metrics(run.trainer)
     # The run is what the tests below assume: the injected skips, and no others.
@@ -353,7 +355,10 @@ def test_warn_policy_warns_naming_the_nan_parameter():
 
 def test_raise_policy_raises_floating_point_error_naming_the_nan_parameter():
     model = Faulty(nan_weight_at=NAN_AT)
-    with pytest.raises(FloatingPointError, match=re.escape("non-finite parameters at step 3: net.0.weight.")):
+    with (
+        pytest.raises(FloatingPointError, match=re.escape("non-finite parameters at step 3: net.0.weight.")),
+        pytest.warns(RuntimeWarning, match="forward output is NaN from finite inputs"),  # the autopsy's finding
+    ):
         fit(model, bf16_plugin(), monitor=MixedPrecisionMonitor(on_nonfinite="raise"))
     assert model.trainer.global_step == 4
 
@@ -761,7 +766,11 @@ def test_a_chart_path_that_cannot_be_written_is_refused_when_the_monitor_is_buil
 def test_the_step_that_stops_a_run_is_in_the_history_too():
     plugin = fp16_plugin(init_scale=1.0, min_scale=1.0, max_consecutive_skips=3)
     monitor = MixedPrecisionMonitor()
-    with pytest.raises(FloatingPointError):
+    with (
+        pytest.raises(FloatingPointError),
+        pytest.warns(RuntimeWarning, match="the loss scale has reached its floor"),
+        pytest.warns(RuntimeWarning, match="the loss is non-finite though every module's output is finite"),
+    ):
         fit(Faulty(overflow_steps=range(100)), plugin, monitor=monitor)
     assert [record.step for record in monitor.history.steps] == [0, 1, 2]
     assert all(record.skipped for record in monitor.history.steps)

@@ -117,7 +117,11 @@ def test_bf16_nan_in_forward_is_found_too() -> None:
                 self.model.blocks[0].fc.weight.data[0, 0] = float("nan")  # stays: every later step skips too
             return super().training_step(batch, batch_idx)
 
-    fit(NaNInput(), MixedPrecisionPlugin("bf16-mixed", "cpu"), monitor, steps=4)
+    with (
+        pytest.warns(RuntimeWarning, match="layer `model.blocks.0.fc`"),
+        pytest.warns(UserWarning, match=r"non-finite parameters at step \d: model\.blocks\.0\.fc\.weight"),
+    ):
+        fit(NaNInput(), MixedPrecisionPlugin("bf16-mixed", "cpu"), monitor, steps=4)
     assert [(a.kind, a.module) for a in monitor.autopsies] == [("forward", "model.blocks.0.fc")]
 
 
