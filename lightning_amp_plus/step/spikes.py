@@ -33,7 +33,7 @@ from lightning_amp_plus.step.float32 import f32
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SpikeGuard", "SpikeVerdict"]
 
-DEFAULT_THRESHOLD = 10.0
+DEFAULT_THRESHOLD = 25.0
 """Standard deviations above the running mean that make a spike (the benchmark's choice; see the module docstring)."""
 DEFAULT_WARMUP = 100
 """Steps taken before the first decision."""
@@ -210,7 +210,7 @@ class SpikeGuard:
 
         Examples:
             >>> SpikeGuard().state_dict()
-            {'steps': 0, 'mean': 0.0, 'var': 0.0, 'threshold': 10.0, 'warmup': 100, 'action': 'skip', 'alpha': 0.97}
+            {'steps': 0, 'mean': 0.0, 'var': 0.0, 'threshold': 25.0, 'warmup': 100, 'action': 'skip', 'alpha': 0.97}
         """
         return {
             "steps": self.steps,

@@ -267,7 +267,7 @@ def test_a_corrupt_state_is_refused_naming_the_key_and_the_value(state: Any, err
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"threshold": 0}, r"`SpikeGuard\(threshold=0\)` must be a finite number > 0 .*e\.g\. 10"),
+        ({"threshold": 0}, r"`SpikeGuard\(threshold=0\)` must be a finite number > 0 .*e\.g\. 25"),
         ({"threshold": -2.5}, r"threshold=-2\.5\)` must be a finite number > 0"),
         ({"threshold": math.inf}, r"threshold=inf\)` must be"),
         ({"threshold": "10"}, r"threshold='10'\)` must be"),
@@ -304,4 +304,4 @@ def test_a_verdict_is_observed_once() -> None:
 
 
 def test_the_repr_shows_the_settings() -> None:
-    assert repr(SpikeGuard(action="clip")) == "SpikeGuard(threshold=10.0, warmup=100, action='clip', alpha=0.97)"
+    assert repr(SpikeGuard(action="clip")) == "SpikeGuard(threshold=25.0, warmup=100, action='clip', alpha=0.97)"
