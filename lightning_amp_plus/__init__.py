@@ -19,8 +19,15 @@ if TYPE_CHECKING:
     from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
     from lightning_amp_plus.plugins.trainer_fsdp import FSDPMixedPrecisionPlugin
     from lightning_amp_plus.step.scaler import DynamicLossScaler
+    from lightning_amp_plus.step.spikes import SpikeGuard
 
-__all__ = ["DynamicLossScaler", "FSDPMixedPrecisionPlugin", "MixedPrecisionMonitor", "MixedPrecisionPlugin"]
+__all__ = [
+    "DynamicLossScaler",
+    "FSDPMixedPrecisionPlugin",
+    "MixedPrecisionMonitor",
+    "MixedPrecisionPlugin",
+    "SpikeGuard",
+]
 __version__ = "0.1.0"
 
 _HOMES = {
@@ -28,6 +35,7 @@ _HOMES = {
     "FSDPMixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer_fsdp",
     "MixedPrecisionMonitor": "lightning_amp_plus.monitor.callback",
     "MixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer",
+    "SpikeGuard": "lightning_amp_plus.step.spikes",
 }
 """Each public name and the module it is loaded from on first use."""
 

@@ -22,6 +22,7 @@ from lightning_amp_plus.plugins.ranks import fsdp2_policy
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.outcome import StepResult
 from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.spikes import SpikeGuard, SpikeGuards
 from lightning_amp_plus.weights.compensated import Method
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "check_module_types",
     "check_precision",
     "check_skip_limit",
+    "check_spike_guard",
     "checked_settings",
     "default_device",
     "engine_for",
@@ -66,6 +68,7 @@ class Settings:
         keep_fp32: the module types whose forward runs in FP32.
         compensation: the compensation of bf16 weights (``None`` for the mixed precisions and plain bf16-true).
         rounding_seed: the seed of stochastic rounding.
+        spike_guard: the guard of each step's gradient norm (``None``: none); its statistics are the engine's.
     """
 
     precision: str
@@ -77,6 +80,7 @@ class Settings:
     keep_fp32: tuple[type[nn.Module], ...]
     compensation: Method | None
     rounding_seed: int
+    spike_guard: SpikeGuard | None = None
 
 
 class Readings:
@@ -154,6 +158,7 @@ def checked_settings(
     keep_fp32: object,
     compensation: object,
     rounding_seed: object,
+    spike_guard: object = None,
 ) -> Settings:
     """Check a plugin's arguments (each error names ``name``, the argument, the value and the fix)."""
     check_precision(name, precision)
@@ -168,6 +173,7 @@ def checked_settings(
         refuse_for_half_weights(name, bool(master_weights), modules)
     limit = None if max_consecutive_skips is None else int(max_consecutive_skips)  # type: ignore[call-overload]
     seed = check_int(name, "rounding_seed", rounding_seed, 0)
+    guard = check_spike_guard(name, precision, spike_guard, bool(skip_nonfinite))
     return Settings(
         precision,
         checked_device,
@@ -178,7 +184,31 @@ def checked_settings(
         modules,
         method,
         seed,
+        guard,
     )
+
+
+def check_spike_guard(name: str, precision: str, guard: object, skip_nonfinite: bool) -> SpikeGuard | None:
+    """A spike guard, or ``None``; refused where no norm is measured (a bf16 plugin told not to check).
+
+    Raises:
+        TypeError: ``guard`` is not a :class:`~lightning_amp_plus.step.spikes.SpikeGuard`.
+        ValueError: ``skip_nonfinite=False`` under bf16.
+    """
+    if guard is None:
+        return None
+    if not isinstance(guard, SpikeGuard):
+        raise TypeError(
+            f"`{name}(spike_guard={guard!r})` ({type(guard).__name__}) is not supported: pass a "
+            "lightning_amp_plus.SpikeGuard, e.g. `spike_guard=SpikeGuard()` or `SpikeGuard(action='clip')`, or None."
+        )
+    if precision != "16-mixed" and not skip_nonfinite:
+        raise ValueError(
+            f"`{name}({precision!r}, skip_nonfinite=False, spike_guard={guard!r})`: the guard judges the gradient norm "
+            "that the check measures, and skip_nonfinite=False turns the check off. Keep skip_nonfinite=True, or drop "
+            "spike_guard."
+        )
+    return guard
 
 
 def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngine, DynamicLossScaler | None]:
@@ -190,6 +220,8 @@ def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngin
     """
     if scaler is not None or settings.precision == "16-mixed":
         checked = _checked_scaler(settings, scaler, f"`{name}(precision={settings.precision!r}, scaler={scaler!r})`")
+        if settings.spike_guard is not None:  # the scaler's engine judges the norms: a scaler replaced takes it over
+            checked.engine.spike_guards = SpikeGuards(settings.spike_guard)
         return checked.engine, checked
     engine = StepEngine(
         None,
@@ -197,6 +229,7 @@ def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngin
         max_consecutive_skips=settings.max_consecutive_skips,
         compensation=settings.compensation,
         seed=settings.rounding_seed,
+        spike_guard=settings.spike_guard,
     )
     return engine, None
 

@@ -54,6 +54,7 @@ from lightning_amp_plus.plugins.core import (
 from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_up_ranks
 from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.spikes import SpikeGuard
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import refuse_half_masters, widen_model_
 
@@ -88,6 +89,8 @@ class MixedPrecisionPlugin(Readings, Precision):
         keep_fp32: module types whose forward runs in FP32 (autocast off inside them).
         compensation: with ``"bf16-true"``: ``"kahan"`` (default, ``"auto"``), ``"stochastic"`` or ``None``.
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
+        spike_guard: a :class:`~lightning_amp_plus.SpikeGuard`: skip or clip a step whose finite gradient norm is a
+            spike (see the Trainer plugin); saved with the plugin's state. ``None``: no guard.
 
     Attributes:
         scaler: the loss scaler (``None`` for bf16); after ``optimizer.step()`` its ``get_scale()`` is the scale that
@@ -122,6 +125,7 @@ class MixedPrecisionPlugin(Readings, Precision):
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         self.settings = checked_settings(
             self._name(),
@@ -133,6 +137,7 @@ class MixedPrecisionPlugin(Readings, Precision):
             keep_fp32=keep_fp32,
             compensation=compensation,
             rounding_seed=rounding_seed,
+            spike_guard=spike_guard,
         )
         self.precision = precision
         self.device = self.settings.device

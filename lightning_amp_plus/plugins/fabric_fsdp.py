@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, Readings, check_fsdp_precision, half_dtype
 from lightning_amp_plus.plugins.fabric import MixedPrecisionPlugin
 from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.spikes import SpikeGuard
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -38,6 +39,8 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
         master_weights: FSDP's own mixed-precision parameters, ``MixedPrecision(param_dtype=half,
             reduce_dtype=torch.float32)``: the FP32 shards are the masters, forward and backward run on all-gathered
             half copies. Without it the FP32 shards compute under autocast.
+        spike_guard: a :class:`~lightning_amp_plus.SpikeGuard`, as ``MixedPrecisionPlugin``'s (the norm it judges is
+            the global one, the same on every rank).
 
     The global norm and the skip decision come from one SUM all-reduce over the world of the ranks' shards (taken as
     fully sharded, FSDP's default; under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the
@@ -58,6 +61,7 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
         skip_nonfinite: bool = True,
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         check_fsdp_precision(type(self).__name__, precision, "Fabric")
         # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
@@ -68,6 +72,7 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
             skip_nonfinite=skip_nonfinite,
             max_consecutive_skips=max_consecutive_skips,
             master_weights=master_weights,  # widens a half-built model before FSDP wraps it; FSDP makes the copies
+            spike_guard=spike_guard,
         )
         self.precision = precision
         self.settings, self.engine, self._scaler = self._step.settings, self._step.engine, self._step._scaler

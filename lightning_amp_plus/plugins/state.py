@@ -1,9 +1,9 @@
 """The precision plugins' checkpoint state: what is saved, and the checks made when it is loaded back.
 
 One format for every front end (the Trainer's and Fabric's plugins): ``{"format", "precision", "master_weights",
-"held_scheduler_steps", "scaler", ...}`` in plain Python values and tensors (Lightning loads checkpoints with
-``weights_only=True``). A ``torch.amp.GradScaler`` state (Lightning's own plugin, or a plain loop migrating) is read
-too. Every refusal names the key and the way out.
+"held_scheduler_steps", "scaler", ...}`` (``"compensation"`` and ``"spike_guard"`` hold a state per optimizer), in
+plain Python values and tensors (Lightning loads checkpoints with ``weights_only=True``). A ``torch.amp.GradScaler``
+state (Lightning's own plugin, or a plain loop migrating) is read too. Every refusal names the key and the way out.
 """
 
 from __future__ import annotations
@@ -72,7 +72,13 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Setti
             f"The checkpoint's {owner} state holds compensation={type(compensation).__name__}; expected a list (one "
             f"state per optimizer). Remove checkpoint['{owner}'] to start the compensation afresh."
         )
-    engine.load_state_dict(state["scaler"], held, compensation)
+    guard = state.get("spike_guard")
+    if guard is not None and not isinstance(guard, list):
+        raise TypeError(
+            f"The checkpoint's {owner} state holds spike_guard={type(guard).__name__}; expected a list (one state per "
+            f"optimizer). Remove checkpoint['{owner}']['spike_guard'] to start the guard's statistics afresh."
+        )
+    engine.load_state_dict(state["scaler"], held, compensation, guard)
     return state
 
 

@@ -46,6 +46,7 @@ from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_
 from lightning_amp_plus.plugins.wrappers import unwrapped, user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.spikes import SpikeGuard
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import refuse_half_copies, refuse_half_masters, widen_model_
 
@@ -93,6 +94,12 @@ class MixedPrecisionPlugin(Readings, Precision):
             such updates are lost). The model's own ``torch.optim.AdamW``, ``Adam`` or ``SGD`` is stepped so (others
             are refused at setup); its state keeps torch's format. Refused with the mixed precisions.
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
+        spike_guard: a :class:`~lightning_amp_plus.SpikeGuard` that judges each step's finite gradient norm against
+            the running statistics of the steps taken before it: a spike is skipped (counted as a skipped step, the
+            LR schedulers held, the loss scale left alone) or clipped down to the guard's limit before any clipping of
+            yours, by its ``action``. One guard per optimizer (the first is the one given); saved in checkpoints.
+            Fused optimizers then take the unscale path (the norm is read on the host). Refused with
+            ``skip_nonfinite=False`` (nothing measures the norm). See the documentation's "Spike guard" page.
 
     Attributes:
         settings: the options above, checked (:class:`~lightning_amp_plus.plugins.core.Settings`).
@@ -126,6 +133,7 @@ class MixedPrecisionPlugin(Readings, Precision):
         keep_fp32: Sequence[type[nn.Module]] | None = None,
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         name = type(self).__name__
         self.settings = checked_settings(
@@ -139,6 +147,7 @@ class MixedPrecisionPlugin(Readings, Precision):
             keep_fp32=keep_fp32,
             compensation=compensation,
             rounding_seed=rounding_seed,
+            spike_guard=spike_guard,
         )
         self.precision = precision
         self.device = self.settings.device

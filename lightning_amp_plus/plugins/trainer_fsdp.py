@@ -29,6 +29,7 @@ from lightning_amp_plus.plugins.core import DEFAULT_SKIPS, Readings, check_fsdp_
 from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin, fitting, widen_for_fit_
 from lightning_amp_plus.plugins.wrappers import unwrapped
 from lightning_amp_plus.step.scaler import DynamicLossScaler
+from lightning_amp_plus.step.spikes import SpikeGuard
 
 __all__ = ["FSDPMixedPrecisionPlugin"]
 
@@ -50,6 +51,8 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
         hold_schedulers_on_skip: hold the LR schedulers of skipped steps.
         max_consecutive_skips: skipped steps in a row that stop training with a diagnosis.
         master_weights: FP32 sharded parameters with half compute (FSDP's ``MixedPrecision``, see above).
+        spike_guard: a :class:`~lightning_amp_plus.SpikeGuard`, as ``MixedPrecisionPlugin``'s (the norm it judges is
+            the global one, the same on every rank).
 
     Examples:
         >>> plugin = FSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
@@ -69,6 +72,7 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
         hold_schedulers_on_skip: bool = True,
         max_consecutive_skips: int | None = DEFAULT_SKIPS,
         master_weights: bool = False,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         check_fsdp_precision(type(self).__name__, precision, "Trainer")
         # FSDPPrecision.__init__ would make a ShardedGradScaler of its own: its attributes are set here instead.
@@ -80,6 +84,7 @@ class FSDPMixedPrecisionPlugin(Readings, FSDPPrecision):  # type: ignore[misc]  
             hold_schedulers_on_skip=hold_schedulers_on_skip,
             max_consecutive_skips=max_consecutive_skips,
             master_weights=master_weights,  # the setting only: FSDP makes the half copies (mixed_precision_config)
+            spike_guard=spike_guard,
         )
         self._step._checkpoint_key = type(self).__qualname__
         self.precision = precision

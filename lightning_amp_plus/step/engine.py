@@ -48,19 +48,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_amp_plus._checks import is_int, read_count, require
-from lightning_amp_plus.step import schedulers
+from lightning_amp_plus.step import fused, schedulers
 from lightning_amp_plus.step.float32 import f32
-from lightning_amp_plus.step.grads import (
-    clip_by_norm_,
-    global_norm,
-    measure,
-    sharded_norm,
-    unscale_,
-    unscale_and_measure_,
-)
+from lightning_amp_plus.step.grads import checked_norm, clip_by_norm_, measure
 from lightning_amp_plus.step.outcome import BF16_STALL, PENDING_MAX, PendingReads, SkipCounter, Stall, StepResult
 from lightning_amp_plus.step.policy import LossScale
-from lightning_amp_plus.step.sharding import Sharding, local_views, max_across_ranks
+from lightning_amp_plus.step.sharding import Sharding, local_views
+from lightning_amp_plus.step.spikes import SPIKE_STALL, SpikeGuard, SpikeGuards
 from lightning_amp_plus.weights.compensated import Compensators, Method
 
 __all__ = ["Stage", "StepEngine"]
@@ -107,6 +101,8 @@ class StepEngine:
         compensation: ``"kahan"`` or ``"stochastic"`` to step bf16 weights with compensated updates, ``None`` for the
             optimizers' own steps.
         seed: the seed of the stochastic-rounding streams.
+        spike_guard: judge each finite gradient norm (:mod:`~.spikes`): skip a spike (counted, the scale left alone)
+            or clip it before any clip of the user's; one guard per optimizer. Needs the check; no fused path.
 
     Attributes:
         held_schedulers: the LR schedulers held still while their optimizer's steps are skipped (``hold``,
@@ -116,6 +112,7 @@ class StepEngine:
         sharding: set when the gradients are sharded (FSDP, FSDP2): one SUM all-reduce of each rank's weighted squared
             norms gives the global norm and the skip decision everywhere (:mod:`~.sharding`). Replaces the MAX.
         recent_steps: the last optimizer steps' results, newest last (1024 kept).
+        spike_guards: each optimizer's :class:`~.spikes.SpikeGuard` (``None`` without a guard).
 
     State (besides those): each optimizer's pass this iteration, the skip counter, the fused steps not counted yet, the
     count of steps recorded, the optimizers' positions, the parameters' names, the compensators.
@@ -129,9 +126,13 @@ class StepEngine:
         max_consecutive_skips: int | None = 50,
         compensation: Method | None = None,
         seed: int = 0,
+        spike_guard: SpikeGuard | None = None,
     ) -> None:
         self.loss_scale = loss_scale
         self.check = check or loss_scale is not None
+        require(spike_guard is None or self.check, "spike_guard", spike_guard,
+                "needs the gradients checked: drop check=False, or the guard", "StepEngine")  # fmt: skip
+        self.spike_guards = None if spike_guard is None else SpikeGuards(spike_guard)
         self.process_group: Any = None
         self.sharding: Sharding | None = None
         self.recent_steps: deque[StepResult] = deque(maxlen=_RECENT_STEPS)
@@ -188,12 +189,13 @@ class StepEngine:
     def take_over(self, previous: StepEngine) -> None:
         """Continue where ``previous`` left off (a plugin's scaler replaced).
 
-        Its optimizers, names, ranks, held schedulers, compensators and recent results carry over; the skip counts and
-        the scale stay this engine's own.
+        Its optimizers, names, ranks, held schedulers, compensators, spike guards and recent results carry over; the
+        skip counts and the scale stay this engine's own.
         """
         self.process_group, self.sharding = previous.process_group, previous.sharding
         self._positions, self._names = dict(previous._positions), dict(previous._names)
         self.held_schedulers, self.compensators = previous.held_schedulers, previous.compensators
+        self.spike_guards = previous.spike_guards
         self.recent_steps, self._recorded = previous.recent_steps, previous._recorded
 
     # -------------------------------------------------------------------------------------------- the recipe
@@ -282,7 +284,7 @@ class StepEngine:
             raise RuntimeError("`step()` was already called for this optimizer: call `update()` first.")
         if step.stage is Stage.READY:
             params = _params_with_grads(optimizer)
-            if apply is None and _takes_fused_path(optimizer, params):
+            if apply is None and self.spike_guards is None and _takes_fused_path(optimizer, params):
                 return self._step_fused(optimizer, step, params, kwargs)
             self._check(optimizer, step, params, exact=False)  # checked here: nothing clips after this
         if self._fused.entries:
@@ -294,7 +296,10 @@ class StepEngine:
             raise FloatingPointError(self._skips.diagnosis(step.result, self._stall(step.result)))
         if step.result.skipped:
             return None
-        return optimizer.step(**kwargs) if apply is None else apply()
+        stepped = optimizer.step(**kwargs) if apply is None else apply()
+        if step.result.spike_verdict is not None and self.spike_guards is not None:
+            self.spike_guards.of(self._position(optimizer)).observe(step.result.spike_verdict)
+        return stepped
 
     def end_batch(self, new_scale: float | None = None) -> None:
         """End the iteration: move the loss scale once for every optimizer stepped since the last call.
@@ -305,7 +310,11 @@ class StepEngine:
         Raises:
             FloatingPointError: the skip limit was reached by fused steps (learnt here, when it could be).
         """
+        # A spike the guard skipped leaves the scale as it was, as if its batch had not been seen.
         results = [step.result for step in self._passes.values() if step.stage is not Stage.READY]
+        results = [
+            result for result in results if result.spike_verdict is None or result.spike_verdict.action != "skip"
+        ]
         self._passes = {}
         pending = len(self._fused.entries)
         if pending and (pending >= PENDING_MAX or self._skips.due_within(pending)):
@@ -315,7 +324,7 @@ class StepEngine:
         if new_scale is not None:
             self.loss_scale.set(new_scale)
         elif not self._fused.entries and not self.loss_scale.on_device:  # every flag known on the host
-            self.loss_scale.update(any(result.skipped for result in results))
+            self.loss_scale.update(any(result.overflowed for result in results))
         else:  # a flag still on the device, or the scale's state there: the update stays there (no host read)
             flags = self._fused.flags_of(results)  # the iteration's unread flags, a 1.0 for an overflow already read
             self.loss_scale.advance(flags[0] if len(flags) == 1 else torch.stack(flags).amax())
@@ -373,14 +382,23 @@ class StepEngine:
         state = {"held_scheduler_steps": self.held_schedulers.held_steps, "scaler": self.scaler_state_dict()}
         if self.compensators is not None:
             state["compensation"] = self.compensators.state_dict()
+        if self.spike_guards is not None:
+            state["spike_guard"] = self.spike_guards.state_dict()
         return state
 
-    def load_state_dict(self, scaler: Mapping[str, Any], held_scheduler_steps: int, compensation: Any = None) -> None:
-        """Restore :meth:`state_dict`'s parts (a compensator not made yet gets its state when it is)."""
+    def load_state_dict(
+        self, scaler: Mapping[str, Any], held_scheduler_steps: int, compensation: Any = None, spike_guard: Any = None
+    ) -> None:
+        """Restore :meth:`state_dict`'s parts (a compensator or guard not made yet gets its state when it is).
+
+        A spike guard state is loaded only into an engine with a guard (without one, nothing judges norms).
+        """
         self.load_scaler_state_dict(scaler)
         self.held_schedulers.ledger.held_steps = held_scheduler_steps
         if compensation is not None and self.compensators is not None:
             self.compensators.load_state_dict(compensation)
+        if spike_guard is not None and self.spike_guards is not None:
+            self.spike_guards.load_state_dict(spike_guard)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle between iterations only (as GradScaler): device values are read, parameter references dropped."""
@@ -402,74 +420,44 @@ class StepEngine:
         """
         policy = None if self.loss_scale is None else self.loss_scale.settle()
         grads = [p.grad for p in params if p.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
-        with torch.no_grad():
-            if self.sharding is not None:
-                if policy is not None:
-                    unscale_(local_views(grads), f32(1.0 / policy.scale))
-                total = sharded_norm(grads, self.sharding, device)
-            elif policy is not None and not exact:
-                total = unscale_and_measure_(grads, f32(1.0 / policy.scale), device)
-            else:
-                if policy is not None:
-                    unscale_(grads, f32(1.0 / policy.scale))  # 1 / scale rounded once to float32, as GradScaler's
-                total = global_norm(grads, device)
-            if self.process_group is not None:
-                total = max_across_ranks(total, self.process_group)
-            norm = float(total.item())  # the step's one host read: the skip, the clipping and the monitored norm
-        skipped = not math.isfinite(norm)
-        if policy is None:
-            step.result.settle(skipped=skipped, scale=None, grad_norm=norm)
-        else:
-            backs_off = skipped and policy.backs_off_on_overflow()
-            step.result.settle(skipped=skipped, scale=policy.scale, grad_norm=norm, backs_off=backs_off)
-        if skipped:  # named now, while the gradients are there (a skipped step is rare: the lookup costs a pass)
+        inv_scale = None if policy is None else f32(1.0 / policy.scale)  # rounded once to float32, as GradScaler's
+        norm = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
+        overflow, verdict = not math.isfinite(norm), None
+        if self.spike_guards is not None and not overflow:
+            verdict = self.spike_guards.of(self._position(optimizer)).judge(norm)
+            if verdict.action == "clip":  # before any clip of the user's, which then measures the clipped gradients
+                norm = _clip_spike(grads, norm if exact else None, verdict.threshold_norm, self)
+        skipped = overflow or (verdict is not None and verdict.action == "skip")
+        backs_off = overflow and policy is not None and policy.backs_off_on_overflow()
+        scale = None if policy is None else policy.scale
+        step.result.settle(skipped=skipped, scale=scale, grad_norm=norm, backs_off=backs_off, verdict=verdict)
+        if overflow:  # named now, while the gradients are there (a skipped step is rare: the lookup costs a pass)
             step.result._names = _nonfinite_names(self, optimizer, [p for p in params if p.grad is not None], None)
         step.params, step.stage = params, Stage.UNSCALED
 
     def _step_fused(self, optimizer: Optimizer, step: _Pass, params: list[Tensor], kwargs: dict[str, Any]) -> Any:
-        """The fused path: a read-only measure, the flag and the scale to the optimizer's kernel, no host read."""
+        """The fused path (:mod:`~.fused`): a read-only measure, the flag and the scale to the kernel, no host read."""
         grads = [p.grad for p in params if p.grad is not None]
         device = grads[0].device
         zero, one = self._fused.flags(device)
-        with torch.no_grad():
-            norms = measure(grads if self.sharding is None else local_views(grads), device)
-            if self.sharding is not None:
-                total = self.sharding.all_reduce_((norms.square() * self.sharding.weights(grads, device)).sum()).sqrt()
-            else:
-                total = torch.linalg.vector_norm(norms)
-                if self.process_group is not None:
-                    total = max_across_ranks(total, self.process_group)
-            flag = torch.where(torch.isfinite(total), zero, one)  # exactly 1.0 or 0.0
+        norms, total = fused.measure_scaled(grads, self.sharding, self.process_group, device)
+        flag = torch.where(torch.isfinite(total), zero, one)  # exactly 1.0 or 0.0
         step.stage, step.params = Stage.STEPPED, params
-        result = step.result
         # The names are looked up later (on request), after zero_grad: the owners of the measured norms are kept now.
-        result._namer = lambda: _nonfinite_names(self, optimizer, params, norms)
-        scale = None if self.loss_scale is None else self.loss_scale.tensor(device)
+        step.result._namer = lambda: _nonfinite_names(self, optimizer, params, norms)
         if self.loss_scale is None:
-            self._fused.add(result, torch.stack([flag, total]), None)
+            self._fused.add(step.result, torch.stack([flag, total]), None)
         else:
             values = torch.cat([flag.reshape(1), total.reshape(1), self.loss_scale.step_values()])
-            self._fused.add(result, values, self.loss_scale.backs_off)
-        self._record(optimizer, result)
-        # As GradScaler: a grad_scale the user set is multiplied in; both attributes are removed after the step. They
-        # go on the optimizer that runs the kernel: a wrapper (Lightning's LightningOptimizer) would keep them itself.
-        inner = _innermost(optimizer)
-        user_scale = getattr(inner, "grad_scale", None)
-        if scale is not None and user_scale is not None:
-            scale = scale * user_scale
-        inner.grad_scale = user_scale if scale is None else scale  # type: ignore[attr-defined]
-        inner.found_inf = flag  # type: ignore[attr-defined]
-        try:
-            return optimizer.step(**kwargs)
-        finally:
-            del inner.grad_scale  # type: ignore[attr-defined]
-            del inner.found_inf  # type: ignore[attr-defined]
+            self._fused.add(step.result, values, self.loss_scale.backs_off)
+        self._record(optimizer, step.result)
+        scale = None if self.loss_scale is None else self.loss_scale.tensor(device)
+        return fused.step_with_flags(optimizer, _innermost(optimizer), scale, flag, kwargs)
 
     def uses_fused_path(self, optimizer: Optimizer) -> bool:
         """Whether :meth:`step` would now take the fused path for ``optimizer`` (the optimizer unscales itself)."""
         step = self._passes.get(_key(optimizer))
-        if not self.check or (step is not None and step.stage is not Stage.READY):
+        if not self.check or self.spike_guards is not None or (step is not None and step.stage is not Stage.READY):
             return False
         return _takes_fused_path(optimizer, _params_with_grads(optimizer))
 
@@ -481,6 +469,8 @@ class StepEngine:
                 raise FloatingPointError(self._skips.diagnosis(result, self._stall(result)))
 
     def _stall(self, result: StepResult) -> Stall:
+        if result.spike_verdict is not None:
+            return SPIKE_STALL
         return BF16_STALL if self.loss_scale is None else self.loss_scale.stall(result.scale)
 
     def _record(self, optimizer: Optimizer, result: StepResult) -> None:
@@ -499,6 +489,18 @@ class StepEngine:
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
+def _clip_spike(grads: list[Tensor], exact_norm: float | None, limit: float, engine: StepEngine) -> float:
+    """Clip ``grads`` as ``clip_grad_norm_(max_norm=limit)`` does, bit for bit; return the clipped gradients' norm.
+
+    ``exact_norm``: their norm as ``clip_grad_norm_`` takes it, or ``None`` to measure it (the check measured within
+    float32 rounding). A spike is rare: the passes cost nothing over a run.
+    """
+    if exact_norm is None:
+        exact_norm = checked_norm(grads, None, True, engine.sharding, engine.process_group)
+    clip_by_norm_(grads if engine.sharding is None else local_views(grads), exact_norm, limit)
+    return checked_norm(grads, None, True, engine.sharding, engine.process_group)
+
+
 def _warn_if_built_otherwise(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     """Say which constants a loaded scaler state was built with that differ from this engine's (which stay)."""
     differing = {key: saved[key] for key in _CONSTANTS if key in saved and saved[key] != mine[key]}

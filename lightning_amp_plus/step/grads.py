@@ -23,15 +23,17 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_amp_plus.step.float32 import f32
-from lightning_amp_plus.step.sharding import Sharding, local_view, local_views
+from lightning_amp_plus.step.sharding import Sharding, local_view, local_views, max_across_ranks
 
 __all__ = [
     "PIECE",
+    "checked_norm",
     "clip_by_norm_",
     "global_norm",
     "measure",
@@ -270,6 +272,44 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
     for group in by_device.values():
         torch._foreach_mul_(group, coef)
     return coef
+
+
+def checked_norm(
+    grads: list[Tensor], inv_scale: float | None, exact: bool, sharding: Sharding | None, process_group: Any
+) -> float:
+    """Unscale ``grads`` by ``inv_scale`` (if given), then their global norm, the same on every rank, read on the host.
+
+    The unscale path's one host read: the overflow check, the clipping norm and the monitored norm in one number.
+
+    Args:
+        grads: the gradients (DTensors when ``sharding`` is set).
+        inv_scale: 1 / the loss scale, rounded once to float32 (as GradScaler's), or ``None`` to leave them.
+        exact: the norm as ``clip_grad_norm_`` takes it, bit for bit (a second read after the unscale); otherwise one
+            cache-hot pass measures as it unscales (:func:`unscale_and_measure_`).
+        sharding: how the gradients are spread over ranks (one SUM all-reduce), or ``None``.
+        process_group: replicated gradients' group, whose ranks take the MAX (the same decision everywhere), or
+            ``None``.
+
+    Examples:
+        >>> g = [torch.tensor([6.0, 8.0])]
+        >>> checked_norm(g, 0.5, False, None, None), g[0]
+        (5.0, tensor([3., 4.]))
+    """
+    device = grads[0].device if grads else torch.device("cpu")
+    with torch.no_grad():
+        if sharding is not None:
+            if inv_scale is not None:
+                unscale_(local_views(grads), inv_scale)
+            total = sharded_norm(grads, sharding, device)
+        elif inv_scale is not None and not exact:
+            total = unscale_and_measure_(grads, inv_scale, device)
+        else:
+            if inv_scale is not None:
+                unscale_(grads, inv_scale)
+            total = global_norm(grads, device)
+        if process_group is not None:
+            total = max_across_ranks(total, process_group)
+        return float(total.item())
 
 
 def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:

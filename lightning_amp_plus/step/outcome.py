@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
 
 from lightning_amp_plus.step.float32 import f32
+
+if TYPE_CHECKING:
+    from lightning_amp_plus.step.spikes import SpikeVerdict
 
 __all__ = ["PENDING_MAX", "PendingReads", "SkipCounter", "Stall", "StepResult"]
 
@@ -58,7 +61,8 @@ class StepResult:
         StepResult(skipped=False, scale=None, grad_norm=2.0)
     """
 
-    __slots__ = ("_backs_off", "_grad_norm", "_namer", "_names", "_pending", "_scale", "_skipped", "index", "optimizer")
+    __slots__ = ("_backs_off", "_grad_norm", "_namer", "_names", "_pending", "_scale", "_skipped", "_verdict", "index",
+                 "optimizer")  # fmt: skip
 
     def __init__(self, *, index: int | None = None, optimizer: int | None = None) -> None:
         self.index = index
@@ -70,6 +74,7 @@ class StepResult:
         self._names: list[str] | None = None
         self._namer: Callable[[], list[str]] | None = None
         self._pending: PendingReads | None = None
+        self._verdict: SpikeVerdict | None = None
 
     @classmethod
     def known(
@@ -88,10 +93,18 @@ class StepResult:
         result._names = list(overflow_params or [])
         return result
 
-    def settle(self, *, skipped: bool, scale: float | None, grad_norm: float | None, backs_off: bool = False) -> None:
+    def settle(
+        self,
+        *,
+        skipped: bool,
+        scale: float | None,
+        grad_norm: float | None,
+        backs_off: bool = False,
+        verdict: SpikeVerdict | None = None,
+    ) -> None:
         """Fill in what the step did (the engine does, on the host or from the device's values)."""
         self._skipped, self._scale, self._grad_norm, self._backs_off = skipped, scale, grad_norm, backs_off
-        self._pending = None
+        self._pending, self._verdict = None, verdict
         if not skipped:
             self._namer = None  # an applied step names nothing: drop what the lookup needed
 
@@ -112,10 +125,23 @@ class StepResult:
 
     @property
     def skipped(self) -> bool:
-        """Whether the step was skipped (its gradients held inf/NaN): parameters and optimizer state are untouched."""
+        """Whether the step was skipped: parameters and optimizer state untouched (inf/NaN, or a spike skipped)."""
         if self._skipped is None:
             self._read()
         return bool(self._skipped)
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether the step was skipped because its gradients held inf/NaN (what a loss scaler backs off for)."""
+        return self.skipped and self._verdict is None
+
+    @property
+    def spike_verdict(self) -> SpikeVerdict | None:
+        """The spike guard's verdict on the step's gradient norm (``None`` without a guard, or for an overflow).
+
+        ``spike_verdict.spike`` says whether the step was a spike (skipped, or clipped to ``threshold_norm``).
+        """
+        return self._verdict
 
     @property
     def scale(self) -> float | None:
@@ -126,7 +152,10 @@ class StepResult:
 
     @property
     def grad_norm(self) -> float | None:
-        """The global L2 norm of the step's unscaled gradients (inf or NaN when skipped; ``None`` if not measured)."""
+        """The global L2 norm of the step's unscaled gradients (inf or NaN for an overflow; ``None`` if not measured).
+
+        After a spike guard's clip, the norm of the clipped gradients (``spike_verdict.norm`` is the one judged).
+        """
         if self._skipped is None:
             self._read()
         return self._grad_norm
@@ -195,7 +224,7 @@ class PendingReads:
         wanted = {id(result) for result in results}
         flags = [e.values[0] for e in self.entries if id(e.result) in wanted and e.result._skipped is None]
         device = flags[0].device if flags else next(iter(self._flags))
-        if any(result._skipped for result in results):
+        if any(result._skipped and result._verdict is None for result in results):  # a spike skip is no overflow
             flags.append(self.flags(device)[1])
         return flags or [self.flags(device)[0]]
 
@@ -312,8 +341,13 @@ class SkipCounter:
 
     def diagnosis(self, result: StepResult, stall: Stall) -> str:
         """The message that stops the run: the gradients at fault, what stood still and why, and what to try."""
-        names = result.overflow_params
-        if names:
+        names, verdict = result.overflow_params, result.spike_verdict
+        if verdict is not None:
+            where = (
+                f"the last gradient norm, {verdict.norm:.4g}, was above the guard's limit {verdict.threshold_norm:.4g} "
+                f"(mean {verdict.mean:.4g} + threshold x std {verdict.std:.4g} of the steps taken)"
+            )
+        elif names:
             more = f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else ""
             where = f"non-finite gradients in {len(names)} parameter(s): {', '.join(names[:_NAMES_SHOWN])}{more}"
         else:

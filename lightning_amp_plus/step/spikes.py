@@ -17,6 +17,11 @@ every step. The update (West, 1979) keeps three plain numbers::
     var = (1 - w) * (var + w * d * d)
 
 Pure Python: the verdict is the same on every rank, since every rank judges the same norm with the same numbers.
+
+:class:`SpikeGuards` is the step engine's part: one guard per optimizer (a GAN's generator and critic have norms of
+their own), the first the guard the user gave. The engine judges the norm its overflow check measured, skips a
+``"skip"`` spike as it skips an overflow (counted, the LR scheduler held, the loss scale left as after a finite step),
+clips a ``"clip"`` spike before any clipping of the user's, and observes the steps it applied.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from typing import Any, Literal
 
 from lightning_amp_plus._checks import COUNTER_MAX, check_int, check_real, is_int, real, show
 from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.outcome import Stall
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SpikeGuard", "SpikeVerdict"]
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SPIKE_STALL", "SpikeGuard", "SpikeGuards",
+           "SpikeVerdict"]  # fmt: skip
 
 DEFAULT_THRESHOLD = 25.0
 """Standard deviations above the running mean that make a spike (the benchmark's choice; see the module docstring)."""
@@ -274,6 +281,80 @@ class SpikeGuard:
                 f"The {name} state holds {key}={show(value)}; expected a finite number >= 0: the state is corrupt."
             )
         return number
+
+
+SPIKE_STALL = Stall(
+    "as gradient-norm spikes (SpikeGuard, action='skip')",
+    "The gradient norm rose and stayed above the guard's limit: a skipped spike never enters the running statistics, "
+    "so after a lasting rise (a new phase of the data, a learning-rate restart) every step is judged a spike.",
+    "SpikeGuard(action='clip'), whose clipped steps enter the statistics and so follow a lasting rise, or a higher "
+    "`threshold`",
+)
+"""Why a run of spike skips stalls: the guard's statistics cannot follow a lasting rise it keeps skipping."""
+
+
+class SpikeGuards:
+    """One :class:`SpikeGuard` per optimizer of a step engine, by the optimizer's position, made at first use.
+
+    The first optimizer's guard is the one given; each other optimizer gets a fresh guard with its settings. A state
+    loaded before an optimizer's guard is made waits, by position, until it is (Fabric meets its optimizers at their
+    first step).
+
+    State: the guards by optimizer position, and the states loaded for positions that have none yet.
+
+    Examples:
+        >>> guards = SpikeGuards(SpikeGuard(warmup=0))
+        >>> guards.of(0).observe(guards.of(0).judge(1.0)); guards.of(1).steps
+        0
+        >>> [state["steps"] for state in guards.state_dict()]
+        [1, 0]
+    """
+
+    def __init__(self, guard: SpikeGuard) -> None:
+        if not isinstance(guard, SpikeGuard):
+            raise TypeError(
+                f"`spike_guard={show(guard)}` ({type(guard).__name__}) is not supported: pass a SpikeGuard, e.g. "
+                "`spike_guard=SpikeGuard()` (or `SpikeGuard(action='clip')`), or None for no guard."
+            )
+        self.guard = guard
+        self._made: dict[int, SpikeGuard] = {}
+        self._waiting: dict[int, Mapping[str, Any]] = {}
+
+    def of(self, position: int) -> SpikeGuard:
+        """The guard of the optimizer at ``position``, made and given any waiting state the first time."""
+        if position not in self._made:
+            made = self.guard if not self._made and position == 0 else _like(self.guard)
+            if position in self._waiting:
+                made.load_state_dict(self._waiting.pop(position))
+            self._made[position] = made
+        return self._made[position]
+
+    def state_dict(self) -> list[dict[str, Any] | None]:
+        """Each position's guard state (``None`` for a position with no guard yet)."""
+        slots = max(self._made, default=-1) + 1
+        return [self._made[i].state_dict() if i in self._made else None for i in range(slots)]
+
+    def load_state_dict(self, states: list[Mapping[str, Any] | None]) -> None:
+        """Load each position's state into its guard, or keep it until that guard is made (checked then).
+
+        Raises:
+            TypeError: ``states`` is not a list of states (or ``None``).
+        """
+        if not isinstance(states, list) or not all(state is None or isinstance(state, Mapping) for state in states):
+            raise TypeError(
+                f"A spike guard state must be a list of SpikeGuard states (one per optimizer), got {show(states)}."
+            )
+        for position, saved in enumerate(states):
+            if saved is None:
+                continue
+            if position in self._made:
+                self._made[position].load_state_dict(saved)
+            else:
+                self._waiting[position] = saved
+
+
+def _like(guard: SpikeGuard) -> SpikeGuard:
+    return SpikeGuard(threshold=guard.threshold, warmup=guard.warmup, action=guard.action, alpha=guard.alpha)
 
 
 def _differs(guard: SpikeGuard, key: str, state: Mapping[str, Any]) -> bool:
