@@ -463,13 +463,14 @@ def test_a_non_finite_input_names_its_layer_first(value: float) -> None:
 
 def test_a_gradient_that_turns_non_finite_in_backward_names_the_first_layer_in_backward_order() -> None:
     model = gpt()
-    fp8 = FP8Training()
-    fp8.convert(model)
 
     def overflow_in_backward(_module: nn.Module, _args: Any, output: Tensor) -> None:
         output.register_hook(lambda g: g * float("inf"))
 
+    # Registered before the conversion: its tensor hook runs before the layer's own, as the gradient reaches the layer.
     model.get_submodule("transformer.h.1.mlp.fc").register_forward_hook(overflow_in_backward)
+    fp8 = FP8Training()
+    fp8.convert(model)
     loss_of(model, 0).backward()
     layers = fp8.nonfinite_layers()
     assert layers[0] == "transformer.h.1.mlp.fc"
@@ -615,3 +616,22 @@ def test_the_package_imports_torchao_lazily_and_refuses_fp8_without_it_naming_th
     assert done.returncode == 0, done.stderr[-2000:]
     assert "torchao imported: False" in done.stdout
     assert 'pip install "lightning-amp-plus[fp8]"' in done.stdout
+
+
+def test_a_compiled_model_trains_without_a_graph_break_and_still_names_a_non_finite_input() -> None:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    fp8 = FP8Training()
+    fp8.convert(model)
+    compiled = torch.compile(model, backend="aot_eager")
+    x = torch.randn(32, 64)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            compiled(x).float().square().mean().backward()
+    assert fp8.nonfinite_layers() == []
+    assert not torch._dynamo.utils.counters["graph_break"]
+    x[3, 5] = float("nan")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x).float().square().mean().backward()
+    assert fp8.nonfinite_layers() == ["0", "2"]  # forward flags only under compile: the origin, then its spread

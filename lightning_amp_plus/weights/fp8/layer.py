@@ -12,14 +12,16 @@
   ``torch.no_grad()`` evaluation (fit's own validation): the same FP8 numerics, a plain (not inference) output.
 
 And the layer reports the inputs and output gradients its casts see to a
-:class:`~lightning_amp_plus.weights.fp8.nonfinite.NonfiniteLog` (device flags, no host sync).
+:class:`~lightning_amp_plus.weights.fp8.nonfinite.NonfiniteLog` (device flags, no host sync). Under ``torch.compile``
+the hooks compile into the graph without a break; the output gradients are then not reported (a tensor hook that
+writes a tensor from backward fails to compile), and the inference-mode branch is not needed (a compiled FP8 model
+runs under inference mode as it is: checked on CPU, equal to its ``no_grad`` forward).
 
 The hook pair is one :class:`LayerGuard` per layer; the conversion attaches it, a fallback detaches it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import ExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -31,7 +33,7 @@ from torch.utils.hooks import RemovableHandle
 if TYPE_CHECKING:
     from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
 
-__all__ = ["LayerGuard", "input_as_cast", "on_grad_output"]
+__all__ = ["LayerGuard", "input_as_cast"]
 
 
 def input_as_cast(value: Any, every_device: bool) -> Any:
@@ -56,20 +58,9 @@ def input_as_cast(value: Any, every_device: bool) -> Any:
     return value
 
 
-def on_grad_output(output: Any, read: Callable[[Tensor], None]) -> None:
-    """Call ``read`` with ``output``'s gradient as the layer's backward receives it, after every hook on ``output``.
-
-    A pre-hook of the node that made ``output`` runs after the tensor's own hooks (autograd's order), so a hook a
-    user put on the output that changes its gradient is seen changed, as torchao's casts see it.
-    """
-    node = output.grad_fn if isinstance(output, Tensor) and output.requires_grad else None
-    if node is not None:
-
-        def prehook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-            if grad_outputs and grad_outputs[0] is not None:
-                read(grad_outputs[0])
-
-        node.register_prehook(prehook)
+def compiling() -> bool:
+    """Whether torch.compile is tracing (a constant to dynamo)."""
+    return bool(torch.compiler.is_compiling())
 
 
 class LayerGuard:
@@ -107,7 +98,9 @@ class LayerGuard:
         """The forward pre-hook: cast the input, leave inference mode if on, report the input to the log."""
         # One entry per call, popped by `after` (which runs even when the forward raises): calls may nest.
         region = None
-        if torch.is_inference_mode_enabled():
+        # torch.compile cannot trace the inference-mode test (a graph break per layer), and needs no help there: a
+        # compiled FP8 model runs under inference mode as it is.
+        if not compiling() and torch.is_inference_mode_enabled():
             # torchao's float8 tensor cannot run under inference mode: the no_grad forward gives the same numbers.
             region = ExitStack()
             region.enter_context(torch.inference_mode(False))
@@ -125,8 +118,9 @@ class LayerGuard:
         region = self._open.pop() if self._open else None
         if region is not None:
             region.close()
-        elif self.log is not None:
-            on_grad_output(output, partial(self.log.saw_grad, self.name))
+        # Not under compile: a hook writing a tensor from backward fails AOT autograd's partition.
+        elif self.log is not None and isinstance(output, Tensor) and output.requires_grad and not compiling():
+            output.register_hook(partial(self.log.saw_grad, self.name))
 
     def _cast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:

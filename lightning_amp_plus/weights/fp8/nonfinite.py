@@ -41,13 +41,21 @@ class NonfiniteLog:
 
     def saw_input(self, name: str, value: Tensor) -> None:
         """Note what layer ``name``'s input casts read in a training forward."""
-        if name not in self._forward:
-            self._order.append(name)
-        _accumulate(self._forward, name, value)
+        flag = self._forward.get(name)
+        if flag is None or flag.device != value.device:
+            # Both flags are made here, in the forward: the gradient hook then only adds in place (torch.compile cannot
+            # trace a hook that changes a dict: a graph break per layer).
+            if name not in self._forward:
+                self._order.append(name)
+            flag = self._forward[name] = torch.zeros((), dtype=torch.float32, device=value.device)
+            self._backward[name] = torch.zeros((), dtype=torch.float32, device=value.device)
+        _mark(flag, value)
 
     def saw_grad(self, name: str, grad: Tensor) -> None:
         """Note what layer ``name``'s output-gradient casts read in backward (a tensor hook: returns nothing)."""
-        _accumulate(self._backward, name, grad)
+        flag = self._backward.get(name)
+        if flag is not None and flag.device == grad.device:
+            _mark(flag, grad)
 
     def reset(self) -> None:
         """Clear every flag (one call, no sync): at the end of each optimizer step."""
@@ -86,18 +94,13 @@ class NonfiniteLog:
 def _marker(value: Tensor) -> Tensor:
     """A 0-d FP32 tensor: 0 if ``value`` is all finite, NaN otherwise (computed on the device)."""
     flag = torch.zeros((), dtype=torch.float32, device=value.device)
+    _mark(flag, value)
+    return flag
+
+
+def _mark(flag: Tensor, value: Tensor) -> None:
+    """Make ``flag`` NaN if ``value`` holds a NaN or inf (in place, on the device, no sync)."""
     if value.numel():
         low, high = torch.aminmax(value.detach())
         # x * 0 is 0 for a finite x and NaN for NaN or +-inf: the add keeps the flag NaN from then on.
         flag.add_(low, alpha=0).add_(high, alpha=0)
-    return flag
-
-
-def _accumulate(flags: dict[str, Tensor], name: str, value: Tensor) -> None:
-    if not value.numel():
-        return
-    flag = flags.get(name)
-    if flag is None or flag.device != value.device:
-        flag = flags[name] = torch.zeros((), dtype=torch.float32, device=value.device)
-    low, high = torch.aminmax(value.detach())
-    flag.add_(low, alpha=0).add_(high, alpha=0)

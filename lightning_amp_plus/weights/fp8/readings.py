@@ -7,9 +7,9 @@ is at the bottom. One outlier sets the scale for everything it shares a scale wi
 the rest pushes the other values of a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero,
 or into its subnormals (below 2**-6), where they keep 1-3 significant bits. :class:`Readings` measures exactly that,
 with torchao's scale functions (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only:
-:meth:`Readings.arm` registers a forward pre-hook (input and weight casts) and a forward hook that watches the output's
-gradient (output-gradient casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync) and
-removes the hooks. Between check steps there is no hook and no work.
+:meth:`Readings.arm` registers a forward pre-hook (input and weight casts) and a forward hook that puts a tensor hook
+on the output (output-gradient casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync)
+and removes the hooks. Between check steps there is no hook and no work.
 """
 
 from __future__ import annotations
@@ -125,9 +125,8 @@ class Readings:
         self._count(name, casts, operands)
 
     def _after(self, name: str, casts: tuple[Any, ...], _layer: nn.Module, _args: Any, output: Any) -> None:
-        from lightning_amp_plus.weights.fp8.layer import on_grad_output
-
-        on_grad_output(output, partial(self._grad, name, casts))
+        if isinstance(output, Tensor) and output.requires_grad:
+            output.register_hook(partial(self._grad, name, casts))
 
     def _grad(self, name: str, casts: tuple[Any, ...], grad: Tensor) -> None:
         self._count(name, casts, {"grad_output": grad})
