@@ -302,7 +302,8 @@ def test_lightning_validate_and_predict_run_with_inference_mode_on_a_converted_m
         def predict_step(self, batch: Tensor, _index: int) -> Tensor:
             return self.net(batch[:, :-1])
 
-    data = DataLoader(torch.cat([torch.cat(tokens(s), dim=1)[:, :33] for s in range(2)]), batch_size=4)
+    sequences = torch.randint(0, CONFIG["vocab_size"], (8, CONFIG["block_size"] + 1))
+    data = DataLoader(sequences, batch_size=4)
     trainer = pl.Trainer(
         accelerator="cpu", precision="bf16-mixed", logger=False, enable_progress_bar=False, enable_model_summary=False
     )

@@ -11,11 +11,11 @@
   the forward raises. It runs instead with inference mode off and gradients off, which is exactly the forward of
   ``torch.no_grad()`` evaluation (fit's own validation): the same FP8 numerics, a plain (not inference) output.
 
-And the layer reports the inputs and output gradients its casts see to a
-:class:`~lightning_amp_plus.weights.fp8.nonfinite.NonfiniteLog` (device flags, no host sync). Under ``torch.compile``
-the hooks compile into the graph without a break; the output gradients are then not reported (a tensor hook that
-writes a tensor from backward fails to compile), and the inference-mode branch is not needed (a compiled FP8 model
-runs under inference mode as it is: checked on CPU, equal to its ``no_grad`` forward).
+And the layer reports its output (what its forward casts met) and its output's gradient (what its backward casts
+read) to a :class:`~lightning_amp_plus.weights.fp8.nonfinite.NonfiniteLog` (device flags, no host sync). Under
+``torch.compile`` the hooks compile into the graph without a break; the output gradients are then not reported (a
+tensor hook that writes a tensor from backward fails to compile), and the inference-mode branch is not needed (a
+compiled FP8 model runs under inference mode as it is: checked on CPU, equal to its ``no_grad`` forward).
 
 The hook pair is one :class:`LayerGuard` per layer; the conversion attaches it, a fallback detaches it.
 """
@@ -95,7 +95,7 @@ class LayerGuard:
         self.handles = []
 
     def before(self, _layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """The forward pre-hook: cast the input, leave inference mode if on, report the input to the log."""
+        """The forward pre-hook: cast the input, leave inference mode if on."""
         # One entry per call, popped by `after` (which runs even when the forward raises): calls may nest.
         region = None
         # torch.compile cannot trace the inference-mode test (a graph break per layer), and needs no help there: a
@@ -106,21 +106,23 @@ class LayerGuard:
             region.enter_context(torch.inference_mode(False))
             region.enter_context(torch.no_grad())
         self._open.append(region)
-        args, kwargs = self._cast(args, kwargs)
-        if region is None and self.log is not None and torch.is_grad_enabled():
-            value = args[0] if args else kwargs.get("input")
-            if isinstance(value, Tensor):
-                self.log.saw_input(self.name, value)
-        return args, kwargs
+        return self._cast(args, kwargs)
 
     def after(self, _layer: nn.Module, _args: Any, output: Any) -> None:
-        """The forward hook (also when the forward raised): restore inference mode, or watch the output's gradient."""
+        """The forward hook (also when the forward raised): restore inference mode, or report the output.
+
+        And watch the output's gradient.
+        """
         region = self._open.pop() if self._open else None
         if region is not None:
             region.close()
+            return
+        if self.log is None or not isinstance(output, Tensor) or not torch.is_grad_enabled():
+            return
+        self.log.saw_output(self.name, output)
         # Not under compile: a hook writing a tensor from backward fails AOT autograd's partition.
-        elif self.log is not None and isinstance(output, Tensor) and output.requires_grad and not compiling():
-            output.register_hook(partial(self.log.saw_grad, self.name))
+        if output.requires_grad and not compiling():
+            output.register_hook(partial(self.log.saw_grad, self.name))  # type: ignore[no-untyped-call]
 
     def _cast(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if args:

@@ -5,15 +5,18 @@ every output of the layer is non-finite, the loss is NaN, and every gradient aft
 overflow check names are all of them. Where it started is the first converted layer, in forward order, whose input
 (or weight) held a non-finite value; if the forward was clean, the first in backward order whose output gradient did.
 
-Each converted layer adds, per forward in training and per backward, one ``aminmax`` of the tensor its casts read and
-two in-place adds into a 0-d FP32 flag (NaN once anything non-finite was seen): no host sync, a bounded amount of
-memory. :meth:`NonfiniteLog.read` reads every flag at once (one sync); :meth:`NonfiniteLog.reset` zeroes them in one
-call. Gradient accumulation ORs the micro-batches of a step together.
+The forward needs only one column of the layer's output: a NaN or inf anywhere in an input row makes that row's scale
+(rowwise) or the tensor's (tensorwise) NaN or 0, and so every output of the row NaN; the first column is non-finite
+exactly when the input casts met a non-finite value (the weight, never non-finite while steps with non-finite
+gradients are skipped, is checked when the flags are read). The backward reads the whole output gradient. Each is one
+``aminmax`` and two in-place adds into a 0-d FP32 flag (NaN once anything non-finite was seen), per layer and pass: no
+host sync, a bounded amount of memory. :meth:`NonfiniteLog.read` reads every flag at once (one sync);
+:meth:`NonfiniteLog.reset` zeroes them in one call. Gradient accumulation ORs the micro-batches of a step together.
 
 Examples:
     >>> log = NonfiniteLog()
-    >>> log.saw_input("fc1", torch.ones(4)); log.saw_input("fc2", torch.tensor([1.0, float("nan")]))
-    >>> log.saw_grad("fc2", torch.full((2,), float("inf"))); log.saw_grad("fc1", torch.full((4,), float("nan")))
+    >>> log.saw_output("fc1", torch.ones(4, 16)); log.saw_output("fc2", torch.tensor([[1.0], [float("nan")]]))
+    >>> log.saw_grad("fc2", torch.full((2, 1), float("inf"))); log.saw_grad("fc1", torch.full((4, 16), float("nan")))
     >>> log.read()
     ['fc2', 'fc1']
     >>> log.reset(); log.read()
@@ -39,8 +42,9 @@ class NonfiniteLog:
         self._order: list[str] = []
         """Layer names in the order their first training forward ran (forward order)."""
 
-    def saw_input(self, name: str, value: Tensor) -> None:
-        """Note what layer ``name``'s input casts read in a training forward."""
+    def saw_output(self, name: str, output: Tensor) -> None:
+        """Note layer ``name``'s output of a training forward (its first column: see the module's docstring)."""
+        value = output[..., :1]
         flag = self._forward.get(name)
         if flag is None or flag.device != value.device:
             # Both flags are made here, in the forward: the gradient hook then only adds in place (torch.compile cannot

@@ -126,7 +126,7 @@ class Readings:
 
     def _after(self, name: str, casts: tuple[Any, ...], _layer: nn.Module, _args: Any, output: Any) -> None:
         if isinstance(output, Tensor) and output.requires_grad:
-            output.register_hook(partial(self._grad, name, casts))
+            output.register_hook(partial(self._grad, name, casts))  # type: ignore[no-untyped-call]
 
     def _grad(self, name: str, casts: tuple[Any, ...], grad: Tensor) -> None:
         self._count(name, casts, {"grad_output": grad})
