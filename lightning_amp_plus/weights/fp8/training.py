@@ -275,7 +275,8 @@ class FP8Training:
             raise ValueError(f"Not an FP8 training state (version 1, 'fallen_back': [names]): {show(dict(state))}.")
         self.rule.load_state_dict(state)
         live = self.layers
-        missing = [name for name in fallen if name not in live and name not in self._fallen and self._layers]
+        # Loaded after a conversion, a recorded name should be one of the converted layers.
+        missing = [name for name in fallen if name not in live and name not in self._fallen] if self._layers else []
         for name in fallen:
             if name in live:
                 self.fall_back(name)
