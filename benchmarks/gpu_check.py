@@ -20,7 +20,8 @@ datacenter GPU, every part capped by a time limit):
    ``--fp8-seq`` tokens), compiled (``torch.compile``), fused AdamW, in a plain loop: bf16-mixed against
    ``FP8Training`` with the ``tensorwise`` and ``rowwise`` recipes (every eligible Linear but the lm_head, as
    torchtitan leaves its output layer), as a throughput ratio (target: fp8 >= 1.2x bf16-mixed); and the readings'
-   cost, a check step against a plain FP8 step spread over 50 steps (target: <= 1%). ``--small`` runs them eager.
+   cost, a check step against a plain FP8 step spread over 50 steps (target: <= 1%). Each round builds and compiles
+   three models (``--fp8-rounds``, default 1); ``--small`` runs them eager.
 
 Then one table: each check, its result, and the ratio where there is one. ``--device cpu --small`` runs every piece on
 CPU with tiny sizes (a small CNN, quick benchmark settings), to try the script end to end without a GPU; its numbers
@@ -35,6 +36,7 @@ Run
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -354,10 +356,11 @@ def fp8_rows(args: argparse.Namespace) -> list[Row]:
              FP8Side("fp8 rowwise", "rowwise", [])]  # fmt: skip
     started = time.perf_counter()
     checks: list[tuple[float, float]] = []
-    for r in range(args.rounds):
+    for r in range(args.fp8_rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:
             timed = fp8_train_steps(side, args, small, checks=side.recipe == "tensorwise")
             torch._dynamo.reset()  # the next model compiles afresh (its graphs are not the last one's)
+            gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()  # the last model's memory, freed on return, back to the device
             side.times.append(timed["plain"])
@@ -376,7 +379,7 @@ def fp8_rows(args: argparse.Namespace) -> list[Row]:
             f"fp8 {side.recipe} vs bf16-mixed", verdict,
             f"{shape}, {tokens} tokens/step{', compiled' if args.fp8_compile and not small else ', eager'}: fp8 "
             f"{ms * 1e3:.1f} ms, "
-            f"bf16-mixed {bf16 * 1e3:.1f} ms, throughput {speed:.2f}x (target >= 1.2x; {args.rounds} rounds)",
+            f"bf16-mixed {bf16 * 1e3:.1f} ms, throughput {speed:.2f}x (target >= 1.2x; {args.fp8_rounds} round(s))",
             seconds / len(sides),
         ))  # fmt: skip
     check, plain = statistics.median(c for c, _ in checks), statistics.median(p for _, p in checks)
@@ -406,6 +409,7 @@ def main() -> None:
     parser.add_argument("--fp8-batch", type=int, default=2, help="sequences per FP8 step (default 2)")
     parser.add_argument("--fp8-seq", type=int, default=4096, help="tokens per sequence (default 4096)")
     parser.add_argument("--fp8-eager", dest="fp8_compile", action="store_false", help="FP8 rows without torch.compile")
+    parser.add_argument("--fp8-rounds", type=int, default=1, help="rounds of the FP8 rows (each compiles 3 models)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; try --device cpu --small")

@@ -1,15 +1,14 @@
 """FP8 numerics you can see: per layer and cast, the share of nonzero values flushed to zero and left subnormal.
 
-The target float8 format, the scale as the recipe computes it.
-
-Dynamic scaling puts each tensor's (or row's) amax at the top of the float8 range, so nothing saturates; what is lost
-is at the bottom. One outlier sets the scale for everything it shares a scale with: a token 10,000 times larger than
-the rest pushes the other values of a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero,
-or into its subnormals (below 2**-6), where they keep 1-3 significant bits. :class:`Readings` measures exactly that,
-with torchao's scale functions (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only:
-:meth:`Readings.arm` registers a forward pre-hook (input and weight casts) and a forward hook that puts a tensor hook
-on the output (output-gradient casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync)
-and removes the hooks. Between check steps there is no hook and no work.
+Shares of the cast's target float8 format, under the scale the recipe computes. Dynamic scaling puts each tensor's
+(or row's) amax at the top of the float8 range, so nothing saturates; what is lost is at the bottom. One outlier sets
+the scale for everything it shares a scale with: a token 10,000 times larger than the rest pushes the other values of
+a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero, or into its subnormals (below
+2**-6), where they keep 1-3 significant bits. :class:`Readings` measures exactly that, with torchao's scale functions
+(:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only: :meth:`Readings.arm` registers a
+forward pre-hook (input and weight casts) and a forward hook that puts a tensor hook on the output (output-gradient
+casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync) and removes the hooks. Between
+check steps there is no hook and no work.
 """
 
 from __future__ import annotations
