@@ -15,18 +15,28 @@ datacenter GPU, every part capped by a time limit):
    Timed as a throughput: the device is synchronised once before and once after the timed steps (a sync per step
    would hide what a sync-free step gains); warm-up steps first; the sides interleaved over ``--rounds`` rounds.
 
+5. FP8 on torchao (``weights/fp8``): a Llama-shaped model that is GEMM-bound (litgpt's ``Llama-3-8B`` config cut to
+   ``--fp8-layers`` blocks: 4096 wide, 14336 MLP, grouped-query attention, 128k vocabulary; batch ``--fp8-batch`` x
+   ``--fp8-seq`` tokens), compiled (``torch.compile``), fused AdamW, in a plain loop: bf16-mixed against
+   ``FP8Training`` with the ``tensorwise`` and ``rowwise`` recipes (every eligible Linear but the lm_head, as
+   torchtitan leaves its output layer), as a throughput ratio (target: fp8 >= 1.2x bf16-mixed); and the readings'
+   cost, a check step against a plain FP8 step spread over 50 steps (target: <= 1%). Each round builds and compiles
+   three models (``--fp8-rounds``, default 1); ``--small`` runs them eager.
+
 Then one table: each check, its result, and the ratio where there is one. ``--device cpu --small`` runs every piece on
 CPU with tiny sizes (a small CNN, quick benchmark settings), to try the script end to end without a GPU; its numbers
 mean nothing.
 
 Run
     python benchmarks/gpu_check.py                       # on the GPU machine
-    python benchmarks/gpu_check.py --device cpu --small  # the whole script on CPU, tiny sizes, ~2-3 minutes
+    python benchmarks/gpu_check.py --device cpu --small  # the whole script on CPU, tiny sizes, ~4-5 minutes
+    python benchmarks/gpu_check.py --skip tests grads fused train   # the FP8 rows alone
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import math
 import os
@@ -269,6 +279,122 @@ def training_rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+# --------------------------------------------------------------------------------------------------------- FP8
+def llama(small: bool, layers: int, seq: int) -> nn.Module:
+    """litgpt's GPT with Llama-3-8B's shapes (``layers`` blocks), or a tiny one of the same kind for ``--small``."""
+    import litgpt
+
+    if small:
+        config = litgpt.Config.from_name(
+            "Llama-3-8B", n_layer=1, n_embd=64, n_head=4, n_query_groups=1, intermediate_size=128, vocab_size=256,
+            padded_vocab_size=256, block_size=seq,
+        )  # fmt: skip
+    else:
+        config = litgpt.Config.from_name("Llama-3-8B", n_layer=layers, block_size=seq)
+    model: nn.Module = litgpt.GPT(config)
+    return model
+
+
+@dataclass
+class FP8Side:
+    """One side of the FP8 comparison: bf16-mixed (``recipe=None``) or FP8 with a recipe."""
+
+    name: str
+    recipe: str | None
+    times: list[float]
+
+
+def fp8_train_steps(side: FP8Side, args: argparse.Namespace, small: bool, checks: bool = False) -> dict[str, float]:
+    """Build, compile and train one model; return the median seconds of plain steps (and of check steps)."""
+    from lightning_amp_plus.weights.fp8 import FP8Training
+
+    device, seq = args.device, (64 if small else args.fp8_seq)
+    batch = 2 if small else args.fp8_batch
+    torch.manual_seed(0)
+    model = llama(small, args.fp8_layers, seq).to(device)
+    fp8 = None
+    if side.recipe is not None:
+        fp8 = FP8Training(side.recipe, modules=lambda _m, name: name != "lm_head", fallback=None)  # type: ignore[arg-type]
+        fp8.convert(model)
+    # --small on CPU runs eager: inductor's C++ compile of three models takes ~15 min on a small shared CPU.
+    compiled = torch.compile(model) if args.fp8_compile and not small else model
+    vocab = model.config.padded_vocab_size  # type: ignore[union-attr]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device)
+
+    def step(check: bool) -> float:
+        synchronize(torch.device(device))
+        started = time.perf_counter()
+        if check and fp8 is not None:
+            fp8.start_check()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits = compiled(tokens[:, :-1])
+        F.cross_entropy(logits.float().reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if fp8 is not None:
+            if check:
+                fp8.finish_check()
+            fp8.end_step()
+        synchronize(torch.device(device))
+        return time.perf_counter() - started
+
+    warmup, steps = (2, 4) if small else (args.warmup, args.steps)
+    for i in range(warmup):
+        step(checks and i == warmup - 1)  # a check step in the warm-up too: its graph compiles there
+    plain = [step(False) for _ in range(steps)]
+    result = {"plain": statistics.median(plain)}
+    if checks:
+        result["check"] = statistics.median(step(True) for _ in range(max(2, steps // 4)))
+    return result
+
+
+def fp8_rows(args: argparse.Namespace) -> list[Row]:
+    small = args.small
+    sides = [FP8Side("bf16-mixed", None, []), FP8Side("fp8 tensorwise", "tensorwise", []),
+             FP8Side("fp8 rowwise", "rowwise", [])]  # fmt: skip
+    started = time.perf_counter()
+    checks: list[tuple[float, float]] = []
+    for r in range(args.fp8_rounds):
+        for side in sides if r % 2 == 0 else sides[::-1]:
+            timed = fp8_train_steps(side, args, small, checks=side.recipe == "tensorwise")
+            torch._dynamo.reset()  # the next model compiles afresh (its graphs are not the last one's)
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()  # the last model's memory, freed on return, back to the device
+            side.times.append(timed["plain"])
+            if "check" in timed:
+                checks.append((timed["check"], timed["plain"]))
+    seconds = time.perf_counter() - started
+    shape = "tiny Llama (1 block, 64 wide)" if small else f"Llama-3-8B shapes, {args.fp8_layers} blocks"
+    tokens = (2 * 64) if small else args.fp8_batch * args.fp8_seq
+    bf16 = statistics.median(sides[0].times)
+    rows = []
+    for side in sides[1:]:
+        ms = statistics.median(side.times)
+        speed = bf16 / ms
+        verdict = "ok" if args.small or speed >= 1.2 else "below target"
+        rows.append(Row(
+            f"fp8 {side.recipe} vs bf16-mixed", verdict,
+            f"{shape}, {tokens} tokens/step{', compiled' if args.fp8_compile and not small else ', eager'}: fp8 "
+            f"{ms * 1e3:.1f} ms, "
+            f"bf16-mixed {bf16 * 1e3:.1f} ms, throughput {speed:.2f}x (target >= 1.2x; {args.fp8_rounds} round(s))",
+            seconds / len(sides),
+        ))  # fmt: skip
+    check, plain = statistics.median(c for c, _ in checks), statistics.median(p for _, p in checks)
+    overhead = (check / plain - 1) / 50
+    rows.append(Row(
+        "fp8 readings every 50 steps", "ok" if args.small or overhead <= 0.01 else "above target",
+        f"check step {check * 1e3:.1f} ms vs plain {plain * 1e3:.1f} ms ({check / plain:.2f}x): "
+        f"{overhead:+.2%} per step at 50 (target <= 1%)",
+        0.0,
+    ))  # fmt: skip
+    for row in rows:
+        print(f"{row.check}: {row.detail}", flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -278,7 +404,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per comparison")
-    parser.add_argument("--skip", nargs="*", default=[], choices=("tests", "grads", "fused", "train"))
+    parser.add_argument("--skip", nargs="*", default=[], choices=("tests", "grads", "fused", "train", "fp8"))
+    parser.add_argument("--fp8-layers", type=int, default=4, help="Llama-3-8B blocks of the FP8 model (default 4)")
+    parser.add_argument("--fp8-batch", type=int, default=2, help="sequences per FP8 step (default 2)")
+    parser.add_argument("--fp8-seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    parser.add_argument("--fp8-eager", dest="fp8_compile", action="store_false", help="FP8 rows without torch.compile")
+    parser.add_argument("--fp8-rounds", type=int, default=1, help="rounds of the FP8 rows (each compiles 3 models)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; try --device cpu --small")
@@ -302,6 +433,11 @@ def main() -> None:
             rows.extend(training_rows(args))
         except Exception as error:  # report, and still print the table
             rows.append(Row("train step", "FAILED", f"{type(error).__name__}: {error}"))
+    if "fp8" not in args.skip:
+        try:
+            rows.extend(fp8_rows(args))
+        except Exception as error:  # report, and still print the table
+            rows.append(Row("fp8", "FAILED", f"{type(error).__name__}: {error}"))
 
     print()
     print(f"## gpu_check on {where} ({time.perf_counter() - started:.0f} s)")
