@@ -13,9 +13,9 @@ A front end adapts its framework's hooks; the engine does the step, in the order
 One optimizer's gradients go through three stages per iteration (:class:`Stage`), and two paths lead through
 ``step()``:
 
-* the **unscale path** (clipping, hooks that read gradients, any optimizer): :func:`~.grads.unscale_`, then the global
-  norm (:func:`~.grads.global_norm`), read on the host: the overflow check, the clipping norm and the monitored norm
-  in one number; the step is taken or skipped on the host;
+* the **unscale path** (clipping, hooks that read gradients, any optimizer): the unscale (:func:`~.grads.multiply_`),
+  then the global norm (:func:`~.grads.global_norm`), read on the host: the overflow check, the clipping norm and the
+  monitored norm in one number; the step is taken or skipped on the host;
 * the **fused path** (``Adam/AdamW/SGD/Adagrad(fused=True)`` stepped with no ``prepare`` first): one read-only pass
   measures the still-scaled gradients, the scale and the overflow flag go to the optimizer as ``grad_scale`` /
   ``found_inf``, its kernel divides and skips on the device, and the step's values wait on the device

@@ -2,8 +2,8 @@
 
 No Lightning here, and none of torch's private ``torch._amp_*`` kernels.
 
-* :func:`unscale_` multiplies the gradients by the inverse scale in place, one multi-tensor call per device and dtype
-  (the values equal ``torch.amp.GradScaler``'s unscale).
+* :func:`multiply_` multiplies the gradients in place, one multi-tensor call per device and dtype: by the inverse
+  scale (the values equal ``torch.amp.GradScaler``'s unscale) or by a clip's coefficient.
 * :func:`global_norm` is the L2 norm of all gradients taken exactly as ``torch.nn.utils.clip_grad_norm_`` takes it
   (each gradient's norm, then the norm of those, grouped by device and dtype as torch groups them), so a clip that
   reuses it gives the parameters of ``clip_grad_norm_`` bit for bit. A non-finite value anywhere makes it non-finite:
@@ -39,7 +39,7 @@ __all__ = [
     "measure",
     "nonfinite_names",
     "sharded_norm",
-    "unscale_",
+    "multiply_",
     "unscale_and_measure_",
 ]
 
@@ -74,8 +74,11 @@ def _by_device_and_dtype(tensors: Sequence[Tensor]) -> dict[tuple[torch.device, 
 
 
 @torch.no_grad()
-def unscale_(grads: Sequence[Tensor], inv_scale: float) -> None:
-    """Multiply ``grads`` in place by ``inv_scale`` (``1 / scale`` as a float32 value), as GradScaler's unscale does.
+def multiply_(grads: Sequence[Tensor], factor: float) -> None:
+    """Multiply ``grads`` in place by ``factor``: the unscale, and the clip.
+
+    The unscale multiplies by ``1 / scale`` as a float32 value, as GradScaler's unscale does; the clip by
+    :func:`clip_by_norm_`'s coefficient, as ``clip_grad_norm_``'s multiply.
 
     Dense gradients in one multi-tensor call per device and dtype; a sparse gradient's stored values in place
     (duplicates included: it stays the same sparse tensor). The multiply runs in the gradient's compute type (float32
@@ -83,26 +86,26 @@ def unscale_(grads: Sequence[Tensor], inv_scale: float) -> None:
 
     Examples:
         >>> g = [torch.tensor([3.0, 4.0]), torch.tensor([1.0])]
-        >>> unscale_(g, 0.5); g
+        >>> multiply_(g, 0.5); g
         [tensor([1.5000, 2.0000]), tensor([0.5000])]
     """
     dense = [grad for grad in grads if not grad.is_sparse]
     for indices in _by_device_and_dtype(dense).values():
-        torch._foreach_mul_([dense[i] for i in indices], inv_scale)
+        torch._foreach_mul_([dense[i] for i in indices], factor)
     for grad in grads:
         if grad.is_sparse:
-            grad._values().mul_(inv_scale)
+            grad._values().mul_(factor)
 
 
 @torch.no_grad()
 def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float, out_device: torch.device) -> Tensor:
-    """:func:`unscale_` and the global norm in one pass over memory: each piece is measured right after it is written.
+    """:func:`multiply_` and the global norm in one pass over memory: each piece is measured right after it is written.
 
     On the CPU the gradients are cut into pieces of at most :data:`PIECE` elements (small tensors batched together up
     to that size); each batch is multiplied and then measured while it is still in the cache, so memory is read and
     written once, as torch's fused check-and-unscale does. The norm is the same number as :func:`global_norm`'s summed
     in another order: within float32 rounding, not bit for bit (clipping needs torch's exact number: it takes
-    :func:`unscale_` then :func:`global_norm`). On other devices, and for sparse gradients, it is those two.
+    :func:`multiply_` then :func:`global_norm`). On other devices, and for sparse gradients, it is those two.
 
     Examples:
         >>> g = [torch.tensor([6.0, 8.0]), torch.tensor([24.0])]
@@ -111,7 +114,7 @@ def unscale_and_measure_(grads: Sequence[Tensor], inv_scale: float, out_device: 
     """
     dense = [g for g in grads if not g.is_sparse and g.device.type == "cpu" and g.is_contiguous()]
     if len(dense) != len(grads):
-        unscale_(grads, inv_scale)
+        multiply_(grads, inv_scale)
         return global_norm(grads, out_device)
     norms: list[Tensor] = []
     for indices in _by_device_and_dtype(dense).values():
@@ -266,11 +269,7 @@ def clip_by_norm_(grads: Sequence[Tensor], total_norm: float, max_norm: float, e
     coef = f32(f32(1.0 / f32(f32(total_norm) + f32(eps))) * f32(max_norm))
     if coef >= 1.0:
         return 1.0
-    by_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-    for grad in grads:
-        by_device[grad.device].append(_values(grad))
-    for group in by_device.values():
-        torch._foreach_mul_(group, coef)
+    multiply_(grads, coef)
     return coef
 
 
@@ -299,13 +298,13 @@ def checked_norm(
     with torch.no_grad():
         if sharding is not None:
             if inv_scale is not None:
-                unscale_(local_views(grads), inv_scale)
+                multiply_(local_views(grads), inv_scale)
             total = sharded_norm(grads, sharding, device)
         elif inv_scale is not None and not exact:
             total = unscale_and_measure_(grads, inv_scale, device)
         else:
             if inv_scale is not None:
-                unscale_(grads, inv_scale)
+                multiply_(grads, inv_scale)
             total = global_norm(grads, device)
         if process_group is not None:
             total = max_across_ranks(total, process_group)

@@ -12,8 +12,8 @@ from lightning_amp_plus.step.grads import (
     clip_by_norm_,
     global_norm,
     measure,
+    multiply_,
     nonfinite_names,
-    unscale_,
     unscale_and_measure_,
 )
 
@@ -29,7 +29,7 @@ def grads(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
 def test_unscale_multiplies_in_place(dtype: torch.dtype) -> None:
     g = [t * 64 for t in grads(dtype)]
     expected = [t.float() / 64 for t in g]
-    unscale_(g, 1 / 64)
+    multiply_(g, 1 / 64)
     # Multiplying by a power of two is exact in every float format.
     for got, want in zip(g, expected, strict=True):
         torch.testing.assert_close(got.float(), want, rtol=0, atol=0)
@@ -42,7 +42,7 @@ def test_unscale_gives_gradscalers_values() -> None:
     theirs = [t.clone() for t in ours]
     found_inf, inv = torch.zeros(1), torch.full((1,), 1 / 3000.0)
     torch._amp_foreach_non_finite_check_and_unscale_(theirs, found_inf, inv)
-    unscale_(ours, float(inv.item()))
+    multiply_(ours, float(inv.item()))
     for got, want in zip(ours, theirs, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -69,7 +69,7 @@ def test_a_single_non_finite_value_makes_the_global_norm_and_its_tensors_norm_no
 def test_overflow_created_by_the_unscale_itself_is_caught() -> None:
     # A scale below 1 multiplies: 40000 * 2 overflows fp16. The norm is taken after the multiply, so it sees the inf.
     g = [torch.tensor([40000.0, 1.0], dtype=torch.float16)]
-    unscale_(g, 2.0)
+    multiply_(g, 2.0)
     assert not torch.isfinite(global_norm(g))
 
 
@@ -108,7 +108,7 @@ def sparse(values: list[float], dtype: torch.dtype = torch.float32) -> torch.Ten
 
 def test_sparse_gradients_are_unscaled_in_place_and_measured_by_their_dense_norm() -> None:
     g = sparse([8.0, 4.0, 4.0, 16.0])
-    unscale_([g], 0.25)
+    multiply_([g], 0.25)
     assert not g.is_coalesced()  # the same sparse tensor, its values multiplied
     torch.testing.assert_close(g.to_dense(), torch.tensor([2.0, 2.0, 0.0, 4.0]), rtol=0, atol=0)
     torch.testing.assert_close(measure([g], CPU), torch.tensor([24.0]).sqrt(), rtol=0, atol=0)
@@ -125,7 +125,7 @@ def test_a_non_finite_sparse_value_makes_its_norm_non_finite(bad: float) -> None
 def test_float64_gradients_are_measured_in_float64_and_returned_in_float32() -> None:
     # A moderate float64 value keeps its precision until the final rounding to float32.
     g = [torch.tensor([1e-30, 3.0], dtype=torch.float64), torch.tensor([1.0 + 2**-40], dtype=torch.float64)]
-    unscale_(g, 0.5)
+    multiply_(g, 0.5)
     norms = measure(g, CPU)
     assert norms.dtype == torch.float32 and global_norm(g).dtype == torch.float32
     torch.testing.assert_close(norms, torch.tensor([1.5, 0.5]), rtol=0, atol=0)
@@ -137,7 +137,7 @@ def test_a_large_non_contiguous_tensor_is_unscaled_in_place() -> None:
     base = torch.randn(400, 400) * 4
     original = base.clone()
     g = base.t()  # not contiguous
-    unscale_([g], 0.25)
+    multiply_([g], 0.25)
     torch.testing.assert_close(base, original * 0.25, rtol=0, atol=0)  # in place, through the transposed view
 
 
@@ -193,7 +193,7 @@ def test_unscale_and_measure_unscales_bit_for_bit_and_measures_within_float32_ro
     grads = [(torch.randn(n) * 64).to(dtype) for n in sizes]
     expected = [g.clone() for g in grads]
     norm = unscale_and_measure_(grads, 2.0**-6, torch.device("cpu"))
-    unscale_(expected, 2.0**-6)
+    multiply_(expected, 2.0**-6)
     for got, want in zip(grads, expected, strict=True):
         assert torch.equal(got, want)  # the same multiply, element for element
     # The same sum of squares taken in pieces: float32 accumulation error over ~800k terms, not bit for bit.
