@@ -9,9 +9,11 @@ What is measured
       ``torch._foreach_mul_(grads, 1.0)`` is shown beside it). One read and one write of every gradient: nothing that
       must unscale the gradients can be faster.
     * ``ours``: without clipping, the check ``DynamicLossScaler.step`` makes when nothing clips
-      (``scaler.engine.prepare(opt, exact=False)``: unscale and global norm in one cache-hot pass, plus the one host
-      sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit for bit: a second
-      read) + ``DynamicLossScaler.clip_grad_norm_``.
+      (``scaler.engine.prepare(opt, exact=False)``: no norm asked, so GradScaler's one-pass check-and-unscale kernel,
+      plus the one host sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit
+      for bit: a second read) + ``DynamicLossScaler.clip_grad_norm_``. Also shown, without clipping: ``ours, norm
+      measured``, the check the plugins make (their results carry each step's norm, for the monitor and the spike
+      guard): unscale and global norm in one cache-hot pass (``grads.unscale_and_measure_``).
     * ``torch``: ``torch.amp.GradScaler.unscale_(opt)`` plus the ``found_inf`` read that ``GradScaler.step`` does (the
       host sync), and with clipping also ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. GradScaler refuses fp16
       gradients ("Attempting to unscale FP16 gradients"), so for fp16 the torch reference calls the fused kernel
@@ -166,6 +168,14 @@ class Methods:
         # The check step() makes when nothing clips: unscale and measure in one cache-hot pass.
         self.ours.engine.prepare(self.gs.optimizer, exact=False)
 
+    def ours_unscale_measured(self) -> None:
+        # The plugins' check when nothing clips: their engines measure the norm at every check.
+        self.ours.engine.measure_norm = True
+        try:
+            self.ours.engine.prepare(self.gs.optimizer, exact=False)
+        finally:
+            self.ours.engine.measure_norm = False
+
     def ours_clip_large(self) -> None:
         self.ours.unscale_(self.gs.optimizer)
         self.ours.clip_grad_norm_(self.gs.optimizer, self.max_norm_large)
@@ -213,6 +223,8 @@ class Methods:
             "roofline (_foreach_mul_)": self.roofline_foreach,
             "ours unscale_": self.ours_unscale,
             "torch unscale_": self.torch_unscale,
+            "ours unscale_, norm measured": self.ours_unscale_measured,
+            "torch unscale_, norm measured": self.torch_unscale,
             "ours unscale_+clip (large max_norm)": self.ours_clip_large,
             "torch unscale_+clip (large max_norm)": self.torch_clip_large,
             "ours unscale_+clip (small max_norm)": self.ours_clip_small,
@@ -225,6 +237,7 @@ def check_agreement(methods: Methods) -> dict[str, float]:
     gs = methods.gs
     pairs = {
         "no clip": (methods.ours_unscale, methods.torch_unscale),
+        "no clip, norm measured": (methods.ours_unscale_measured, methods.torch_unscale),
         "clip large": (methods.ours_clip_large, methods.torch_clip_large),
         "clip small": (methods.ours_clip_small, methods.torch_clip_small),
     }
@@ -327,6 +340,7 @@ def main() -> None:
         print(f"   roofline bandwidth (read + write): {gbps:.1f} GB/s")
         for case, key in (
             ("no clip", "unscale_"),
+            ("no clip, norm measured (the plugins' check)", "unscale_, norm measured"),
             ("clip, large max_norm", "unscale_+clip (large max_norm)"),
             ("clip, small max_norm", "unscale_+clip (small max_norm)"),
         ):
@@ -342,7 +356,7 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for label, case, ours, theirs, roof, best in rows:
-        target = _TARGET_NO_CLIP if case == "no clip" else _TARGET_CLIP
+        target = _TARGET_NO_CLIP if case.startswith("no clip") else _TARGET_CLIP
         print(
             f"| {label} | {case} | {ours:.2f} | {theirs:.2f} | {roof:.2f} | {ours / theirs:.2f}x | {best:.2f}x | "
             f"{ours / roof:.2f}x | {theirs / roof:.2f}x | {verdict(ours / theirs, target)} |"

@@ -50,7 +50,7 @@ from torch.optim import Optimizer
 from lightning_amp_plus._checks import is_int, read_count, require
 from lightning_amp_plus.step import fused, schedulers
 from lightning_amp_plus.step.float32 import f32
-from lightning_amp_plus.step.grads import checked_norm, clip_by_norm_, measure
+from lightning_amp_plus.step.grads import checked_norm, clip_by_norm_, measure, unscale_checked_
 from lightning_amp_plus.step.outcome import (
     BF16_STALL,
     PENDING_MAX,
@@ -111,6 +111,8 @@ class StepEngine:
         seed: the seed of the stochastic-rounding streams.
         spike_guard: judge each finite gradient norm (:mod:`~.spikes`): skip a spike (counted, the scale left alone)
             or clip it before any clip of the user's; one guard per optimizer. Needs the check; no fused path.
+        measure_norm: measure each check's norm (``StepResult.grad_norm``); ``False``: a step nothing clipped is
+            checked in GradScaler's one pass, no norm (``DynamicLossScaler``'s; a clip or a spike guard measures it).
 
     Attributes:
         held_schedulers: the LR schedulers held still while their optimizer's steps are skipped (``hold``,
@@ -135,8 +137,10 @@ class StepEngine:
         compensation: Method | None = None,
         seed: int = 0,
         spike_guard: SpikeGuard | None = None,
+        measure_norm: bool = True,
     ) -> None:
         self.loss_scale = loss_scale
+        self.measure_norm = measure_norm
         self.check = check or loss_scale is not None
         require(spike_guard is None or self.check, "spike_guard", spike_guard,
                 "needs the gradients checked: drop check=False, or the guard", "StepEngine")  # fmt: skip
@@ -146,8 +150,7 @@ class StepEngine:
         self.recent_steps: deque[StepResult] = deque(maxlen=_RECENT_STEPS)
         self._recorded = 0
         self._passes: dict[int, _Pass] = {}
-        self._skips = SkipCounter(None)
-        self.max_consecutive_skips = max_consecutive_skips
+        self._skips = SkipCounter(_skip_limit(max_consecutive_skips))  # the limit lives in the counter
         self._fused = PendingReads()
         self._positions: dict[int, int] = {}
         self._names: dict[int, str] = {}
@@ -162,16 +165,10 @@ class StepEngine:
 
     @max_consecutive_skips.setter
     def max_consecutive_skips(self, value: int | None) -> None:
-        require(value is None or (is_int(value) and value >= 1), "max_consecutive_skips", value,
-                "must be an int >= 1, or None to never stop")  # fmt: skip
-        self._skips.limit = None if value is None else int(value)
+        self._skips.limit = _skip_limit(value)
 
     def set_optimizers(self, optimizers: Sequence[Optimizer]) -> None:
-        """Number the optimizers as the front end lists them (``StepResult.optimizer``); compensate them if asked.
-
-        Raises:
-            TypeError: with compensation, an optimizer the compensated update does not implement, before any step.
-        """
+        """Number the optimizers as the front end lists them (``StepResult.optimizer``), each as :meth:`track` does."""
         self._positions = {}
         for optimizer in optimizers:
             self.track(optimizer)
@@ -197,13 +194,13 @@ class StepEngine:
     def take_over(self, previous: StepEngine) -> None:
         """Continue where ``previous`` left off (a plugin's scaler replaced).
 
-        Its optimizers, names, ranks, held schedulers, compensators, spike guards and recent results carry over; the
-        skip counts and the scale stay this engine's own.
+        Its optimizers, names, ranks, held schedulers, compensators, spike guards, ``measure_norm`` and recent results
+        carry over; the skip counts and the scale stay this engine's own.
         """
         self.process_group, self.sharding = previous.process_group, previous.sharding
         self._positions, self._names = dict(previous._positions), dict(previous._names)
         self.held_schedulers, self.compensators = previous.held_schedulers, previous.compensators
-        self.spike_guards = previous.spike_guards
+        self.spike_guards, self.measure_norm = previous.spike_guards, previous.measure_norm
         self.recent_steps, self._recorded = previous.recent_steps, previous._recorded
 
     # -------------------------------------------------------------------------------------------- the recipe
@@ -427,9 +424,14 @@ class StepEngine:
         policy = None if self.loss_scale is None else self.loss_scale.settle()
         grads = [p.grad for p in params if p.grad is not None]
         inv_scale = None if policy is None else f32(1.0 / policy.scale)  # rounded once to float32, as GradScaler's
-        norm = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
-        overflow, verdict = not math.isfinite(norm), None
-        if self.spike_guards is not None and not overflow:
+        norm: float | None = None
+        if exact or self.measure_norm or self.spike_guards is not None or inv_scale is None:
+            norm = measured = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
+            overflow = not math.isfinite(measured)
+        else:  # nothing reads the norm: GradScaler's one pass checks as it unscales
+            overflow = unscale_checked_(grads, inv_scale, self.sharding, self.process_group)
+        verdict = None
+        if self.spike_guards is not None and norm is not None and not overflow:  # a guard's check measures the norm
             verdict = self.spike_guards.of(self._position(optimizer)).judge(norm)
             if verdict.action == "clip":  # before any clip of the user's, which then measures the clipped gradients
                 norm = _clip_spike(grads, norm if exact else None, verdict.threshold_norm, self)
@@ -505,6 +507,12 @@ def _clip_spike(grads: list[Tensor], exact_norm: float | None, limit: float, eng
         exact_norm = checked_norm(grads, None, True, engine.sharding, engine.process_group)
     clip_by_norm_(grads if engine.sharding is None else local_views(grads), exact_norm, limit)
     return checked_norm(grads, None, True, engine.sharding, engine.process_group)
+
+
+def _skip_limit(value: int | None) -> int | None:
+    require(value is None or (is_int(value) and value >= 1), "max_consecutive_skips", value,
+            "must be an int >= 1, or None to never stop")  # fmt: skip
+    return None if value is None else int(value)
 
 
 def _warn_if_built_otherwise(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """Passes over gradient lists: unscale, measure (the global norm, each gradient's norm), clip.
 
-No Lightning here, and none of torch's private ``torch._amp_*`` kernels.
+No Lightning here. One private torch kernel, GradScaler's own check-and-unscale
+(``torch._amp_foreach_non_finite_check_and_unscale_``), for the check that measures no norm (:func:`unscale_checked_`).
 
 * :func:`multiply_` multiplies the gradients in place, one multi-tensor call per device and dtype: by the inverse
   scale (the values equal ``torch.amp.GradScaler``'s unscale) or by a clip's coefficient.
@@ -8,6 +9,8 @@ No Lightning here, and none of torch's private ``torch._amp_*`` kernels.
   (each gradient's norm, then the norm of those, grouped by device and dtype as torch groups them), so a clip that
   reuses it gives the parameters of ``clip_grad_norm_`` bit for bit. A non-finite value anywhere makes it non-finite:
   the same number is the overflow check, the clipping norm and the monitored norm.
+* :func:`unscale_checked_` unscales and checks for inf/NaN in one pass, without a norm: what a step that nothing
+  clips and nobody reads the norm of needs (GradScaler's kernel, the same numbers).
 * :func:`measure` gives each gradient's own norm: for naming the non-finite ones (only on an overflow) and for the
   sharded sum across ranks.
 * :func:`clip_by_norm_` multiplies only when the norm is over the limit (``clip_grad_norm_`` always multiplies, by
@@ -41,6 +44,7 @@ __all__ = [
     "sharded_norm",
     "multiply_",
     "unscale_and_measure_",
+    "unscale_checked_",
 ]
 
 _NORM_DTYPE = torch.float32
@@ -309,6 +313,43 @@ def checked_norm(
         if process_group is not None:
             total = max_across_ranks(total, process_group)
         return float(total.item())
+
+
+@torch.no_grad()
+def unscale_checked_(grads: list[Tensor], inv_scale: float, sharding: Sharding | None, process_group: Any) -> bool:
+    """Unscale ``grads`` by ``inv_scale`` and tell whether any held inf/NaN (on any rank): one pass, one host read.
+
+    No norm is measured: each value is multiplied and tested as it is written, by the kernel ``torch.amp.GradScaler``
+    unscales with, so the gradients are GradScaler's bit for bit (and :func:`multiply_`'s). A sparse gradient's stored
+    values are unscaled in place, as GradScaler does.
+
+    Args:
+        grads: the gradients (DTensors when ``sharding`` is set: each rank checks its shard).
+        inv_scale: 1 / the loss scale, rounded once to float32.
+        sharding: set for sharded gradients: the ranks' flags are summed (one all-reduce), so all decide alike.
+        process_group: replicated gradients' group (the flags' MAX), or ``None``.
+
+    Examples:
+        >>> g = [torch.tensor([6.0, 8.0]), torch.tensor([24.0])]
+        >>> unscale_checked_(g, 0.5, None, None), g
+        (False, [tensor([3., 4.]), tensor([12.])])
+        >>> unscale_checked_([torch.tensor([1.0, float("inf")])], 0.5, None, None)
+        True
+    """
+    values = [_values(grad) for grad in (grads if sharding is None else local_views(grads))]
+    device = values[0].device if values else torch.device("cpu")
+    found = torch.zeros(1, dtype=torch.float32, device=device)
+    for (where, _), indices in _by_device_and_dtype(values).items():
+        here = found if where == device else torch.zeros(1, dtype=torch.float32, device=where)
+        inverse = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
+        torch._amp_foreach_non_finite_check_and_unscale_([values[i] for i in indices], here, inverse)
+        if here is not found:
+            found += here.to(device)
+    if sharding is not None:
+        found = sharding.all_reduce_(found)
+    if process_group is not None:
+        found = max_across_ranks(found, process_group)
+    return bool(found.item())
 
 
 def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:

@@ -116,11 +116,16 @@ def test_the_package_imports_have_no_cycle() -> None:
             visit(node, [node])
 
 
+# The one private amp kernel the library calls, and where: GradScaler's own check-and-unscale, for the check that
+# measures no norm (grads.unscale_checked_), so that check is GradScaler's, numbers and cost alike.
+ALLOWED_AMP_KERNELS = {"step/grads.py": ["_amp_foreach_non_finite_check_and_unscale_"]}
+
+
 @pytest.mark.parametrize("module", ALL_MODULES)
-def test_library_calls_none_of_torchs_private_amp_kernels(module: str) -> None:
+def test_library_calls_no_private_amp_kernel_but_gradscalers_check_in_grads(module: str) -> None:
     tree = ast.parse((PACKAGE / module).read_text())
     calls = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_amp_")]
-    assert not calls, f"{module} uses {calls}"
+    assert calls == ALLOWED_AMP_KERNELS.get(module, []), f"{module} uses {calls}"
 
 
 @pytest.mark.integration

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -263,11 +264,58 @@ def test_the_grad_norm_is_measured_on_the_fused_path_too() -> None:
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         scaler.scale(loss_at(model, 0)).backward()
+        if not fused:
+            scaler.unscale_(opt)  # the unscale path measures the norm when asked to unscale first
         scaler.step(opt)
         scaler.update()
         norms.append(scaler.result(opt).grad_norm)
     # The norm of the scaled gradients divided by the power-of-two scale: the unscaled norm, summed differently.
     torch.testing.assert_close(torch.tensor(norms[1]), torch.tensor(norms[0]), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_plain_step_checks_in_gradscalers_one_pass_and_measures_no_norm(dtype: torch.dtype) -> None:
+    # Nothing clips and nobody asked for the norm: the gradients are unscaled and checked by GradScaler's own kernel,
+    # so they are GradScaler's bit for bit (fp16 gradients, which GradScaler refuses, through the same kernel).
+    grads = {}
+    for name in ("ours", "torch"):
+        model = make_model(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: the step leaves the unscaled gradients to compare
+        scaler: Any = DynamicLossScaler(init_scale=2.0**10) if name == "ours" else torch.amp.GradScaler("cpu", 2.0**10)
+        scaler.scale(loss_at(model, 0, dtype)).backward()
+        if name == "torch" and dtype == torch.float16:
+            found = torch.zeros(1)
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [p.grad for p in model.parameters()], found, torch.full((1,), 2.0**-10)
+            )
+        else:
+            scaler.step(opt)
+            scaler.update()
+        grads[name] = [p.grad.clone() for p in model.parameters()]
+        if name == "ours":
+            result = scaler.result(opt)
+            assert result is not None and result.grad_norm is None and not result.skipped
+    for mine, theirs in zip(grads["ours"], grads["torch"], strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_plain_step_with_an_inf_is_skipped_and_named_without_a_norm() -> None:
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    model = make_model()
+    scaler.engine.name_parameters(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(loss_at(model, 0)).backward()
+    first = next(iter(model.parameters()))
+    assert first.grad is not None
+    first.grad[0] = math.inf
+    scaler.step(opt)
+    scaler.update()
+    result = scaler.result(opt)
+    assert result is not None and result.skipped and result.grad_norm is None
+    assert result.overflow_params == [next(iter(dict(model.named_parameters())))]
+    assert scaler.get_scale() == 2.0**9 and scaler.skipped_steps == 1
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
 
 
 def test_a_step_outcome_resolves_on_first_access_and_stays_valid() -> None:

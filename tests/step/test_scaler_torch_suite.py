@@ -541,11 +541,13 @@ def test_an_optimizer_of_the_old_protocol(make: MakeScaler) -> None:
 
 
 # ------------------------------------------------------------------------ the deliberate differences, as documented
-def one_param_step(scaler: Scaler, grad: float = 1.0) -> nn.Parameter:
+def one_param_step(scaler: Scaler, grad: float = 1.0, unscale_first: bool = False) -> nn.Parameter:
     w = nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([w], lr=1.0)
     scaler.scale(torch.zeros(()))
     w.grad = torch.full((2,), grad)
+    if unscale_first:
+        scaler.unscale_(opt)
     scaler.step(opt)
     scaler.update()
     return w
@@ -595,11 +597,15 @@ def test_update_with_nothing_stepped_does_nothing_where_grad_scaler_raises() -> 
     assert mine.get_scale() == 8.0
 
 
-def test_a_finite_gradient_set_whose_norm_overflows_float32_is_an_overflow() -> None:
-    # 1e20 is a finite float32; its square is not. GradScaler steps (and writes a parameter of -1e20), ours skips.
+def test_a_finite_gradient_set_whose_norm_overflows_float32_is_an_overflow_once_measured() -> None:
+    # 1e20 is a finite float32; its square is not. GradScaler steps (and writes a parameter of -1e20). Ours, asked to
+    # unscale first (the norm measured, as a clip needs it), skips: that norm is no number to clip with. A plain step
+    # measures no norm and checks the values as GradScaler does: the same step.
     theirs = one_param_step(grad_scaler(init_scale=1.0), grad=1e20)
-    mine = one_param_step(ours(init_scale=1.0), grad=1e20)
-    assert torch.equal(theirs.detach(), torch.full((2,), -1e20)) and torch.equal(mine.detach(), torch.zeros(2))
+    plain = one_param_step(ours(init_scale=1.0), grad=1e20)
+    measured = one_param_step(ours(init_scale=1.0), grad=1e20, unscale_first=True)
+    assert torch.equal(theirs.detach(), torch.full((2,), -1e20)) and torch.equal(plain.detach(), theirs.detach())
+    assert torch.equal(measured.detach(), torch.zeros(2))
 
 
 def test_get_scale_reads_nothing_from_the_device_on_the_unscale_path(monkeypatch: pytest.MonkeyPatch) -> None:
