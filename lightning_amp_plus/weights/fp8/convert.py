@@ -35,6 +35,7 @@ from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
 
 __all__ = [
     "RECIPES",
+    "Float8Config",
     "ModuleFilter",
     "Modules",
     "Recipe",
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+Float8Config = Any
+"""torchao's ``Float8LinearConfig`` (torchao is imported only when a model is converted)."""
 RECIPES: tuple[Recipe, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 ModuleFilter = Callable[[nn.Module, str], bool]
 Modules = ModuleFilter | Literal["auto"] | None
@@ -70,7 +73,7 @@ def eligible(module: nn.Module, name: str = "") -> bool:
 
 def convert_in_place(
     model: nn.Module,
-    recipe: Recipe,
+    recipe: Recipe | Float8Config,
     modules: Modules = None,
     skip: Collection[str] = (),
     log: NonfiniteLog | None = None,
@@ -80,7 +83,8 @@ def convert_in_place(
     Args:
         model: the model (its submodules are converted; a bare ``nn.Linear`` cannot be replaced in place: wrap it).
         recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
-            (``Float8LinearConfig.from_recipe_name(recipe)``).
+            (``Float8LinearConfig.from_recipe_name(recipe)``), or a ``Float8LinearConfig`` of one's own (e.g.
+            ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: tensorwise, weights all-gathered in FP8).
         modules: ``None``, ``"auto"`` or a callable ``(module, name) -> bool`` (see the module's docstring).
         skip: names never to convert (the layers fallen back).
         log: where the converted layers report non-finite values, or ``None``.
@@ -93,7 +97,7 @@ def convert_in_place(
     """
     from torchao.float8 import convert_to_float8_training
 
-    from lightning_amp_plus.weights.fp8.casts import recipe_config
+    from lightning_amp_plus.weights.fp8.casts import recipe_config, recipe_name
 
     if eligible(model):
         raise ValueError(
@@ -101,7 +105,7 @@ def convert_in_place(
             "e.g. nn.Sequential(linear)."
         )
     config = recipe_config(recipe)
-    chosen = _chooser(recipe, modules, skip)
+    chosen = _chooser(recipe_name(recipe), modules, skip)
     picked: dict[str, nn.Linear] = {}
 
     def accept(module: nn.Module, name: str) -> bool:
@@ -148,7 +152,7 @@ def guard_of(layer: nn.Module) -> LayerGuard | None:
     return guard if isinstance(guard, LayerGuard) else None
 
 
-def _chooser(recipe: Recipe, modules: Modules, skip: Collection[str]) -> ModuleFilter:
+def _chooser(recipe: str, modules: Modules, skip: Collection[str]) -> ModuleFilter:
     user: ModuleFilter | None = None
     if modules == "auto":
         from torchao.float8 import _auto_filter_for_recipe

@@ -6,9 +6,9 @@ the scale for everything it shares a scale with: a token 10,000 times larger tha
 a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero, or into its subnormals (below
 2**-6), where they keep 1-3 significant bits. :class:`Readings` measures exactly that, with torchao's scale functions
 (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only: :meth:`Readings.arm` registers a
-forward pre-hook (input and weight casts) and a forward hook that puts a tensor hook on the output (output-gradient
-casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync) and removes the hooks. Between
-check steps there is no hook and no work.
+forward pre-hook (input and weight casts, in forwards with gradients: an evaluation forward is not read) and a forward
+hook that puts a tensor hook on the output (output-gradient casts) on each layer; :meth:`Readings.take` reads every
+count at once (one host sync) and removes the hooks. Between check steps there is no hook and no work.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ class Readings:
     def _before(self, name: str, casts: tuple[Any, ...], every_device: bool, layer: nn.Module, args: Any) -> None:
         from lightning_amp_plus.weights.fp8.layer import input_as_cast
 
-        if not args or not isinstance(args[0], Tensor):
-            return
+        if not args or not isinstance(args[0], Tensor) or not torch.is_grad_enabled():
+            return  # an evaluation forward (no_grad, inference mode) between arming and the step is not training's
         operands = {"input": input_as_cast(args[0], every_device), "weight": layer.weight}
         self._count(name, casts, operands)
 
