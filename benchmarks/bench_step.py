@@ -30,10 +30,15 @@ How
 
     Target (reported): ours/Lightning <= 1.02x at each mixed precision.
 
+    With ``--spike-guard``, each mixed precision compares ours with a ``SpikeGuard()`` (A) against ours without (B):
+    what the guard costs a step (its verdict from the norm the check measures anyway, and its statistics). Target
+    (reported): <= 1.01x.
+
 Run
     python benchmarks/bench_step.py            # about 3-4 minutes on 2 CPU cores (capped by --budget-s)
     python benchmarks/bench_step.py --quick    # under a minute: a smoke test
     python benchmarks/bench_step.py --threads 1   # steadier on a machine shared with other processes
+    python benchmarks/bench_step.py --spike-guard --precisions bf16-mixed 16-mixed --threads 1
 """
 
 from __future__ import annotations
@@ -52,9 +57,10 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import MixedPrecisionPlugin
+from lightning_amp_plus import MixedPrecisionPlugin, SpikeGuard
 
 _TARGET = 1.02
+_GUARD_TARGET = 1.01
 _BATCH = 32
 _PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
@@ -104,11 +110,22 @@ class Config(Side):
     trainer_kwargs: Callable[[], dict[str, Any]] = dict
 
 
-def _pairs(precisions: list[str]) -> dict[str, tuple[Config, Config]]:
-    """For each precision, (ours, Lightning's); for 32-true, the same configuration twice (A, B)."""
+def _pairs(precisions: list[str], guard: bool = False) -> dict[str, tuple[Config, Config]]:
+    """For each precision, (ours, Lightning's), or with ``guard`` (ours with a spike guard, ours); for 32-true, the same
+    configuration twice (A, B)."""
     table: dict[str, tuple[Config, Config]] = {}
     for precision in precisions:
-        if precision == "32-true":
+        if guard and precision != "32-true":
+            table[precision] = (
+                Config(
+                    f"ours {precision} + guard",
+                    trainer_kwargs=lambda p=precision: {
+                        "plugins": [MixedPrecisionPlugin(p, device="cpu", spike_guard=SpikeGuard())]
+                    },
+                ),
+                Config(f"ours {precision}", trainer_kwargs=lambda p=precision: {"plugins": [MixedPrecisionPlugin(p)]}),
+            )
+        elif precision == "32-true":
             table[precision] = (
                 Config("32-true A", trainer_kwargs=lambda: {"precision": "32-true"}),
                 Config("32-true B", trainer_kwargs=lambda: {"precision": "32-true"}),
@@ -160,13 +177,18 @@ DEFAULTS = Defaults(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--precisions", nargs="+", default=list(_PRECISIONS), choices=_PRECISIONS)
+    parser.add_argument(
+        "--spike-guard", action="store_true", help="ours with a SpikeGuard() against ours without, at each precision"
+    )
     add_plan_arguments(parser, DEFAULTS)
     args = parser.parse_args()
 
     quiet(".*fp16 autocast is correct there but slow.*")
     run_plan = plan(args, DEFAULTS)
     rounds, budget, warmup, steps = run_plan.rounds, run_plan.budget_s, run_plan.warmup, run_plan.steps
-    pairs = _pairs(args.precisions)
+    pairs = _pairs(args.precisions, args.spike_guard)
+    target_ratio = _GUARD_TARGET if args.spike_guard else _TARGET
+    a_name, b_name = ("ours + guard", "ours") if args.spike_guard else ("ours", "Lightning")
 
     print(f"torch {torch.__version__}, lightning {pl.__version__}, CPU, {torch.get_num_threads()} threads")
     print(f"load average before the run: {load():.2f} (other processes share these cores if > ~0.3)")
@@ -183,16 +205,16 @@ def main() -> None:
     spent = run_interleaved(pairs, run, rounds, budget)  # type: ignore[arg-type]
 
     print()
-    print("## Training step time (median ms per step over all timed steps; ratios ours/Lightning)")
+    print(f"## Training step time (median ms per step over all timed steps; ratios {a_name}/{b_name})")
     print()
     print(
-        "| precision | ours (A) ms | Lightning (B) ms | ratio of medians | per-round ratios: median [min, max] "
+        f"| precision | {a_name} (A) ms | {b_name} (B) ms | ratio of medians | per-round ratios: median [min, max] "
         "| steps timed each | target |"
     )
     print("|---|---:|---:|---:|---|---:|---|")
     for precision, (a, b) in pairs.items():
         ratio = Ratio.of(a, b)
-        target = "n/a (A/A noise floor)" if precision == "32-true" else verdict(ratio.of_medians, _TARGET)
+        target = "n/a (A/A noise floor)" if precision == "32-true" else verdict(ratio.of_medians, target_ratio)
         print(
             f"| {precision} | {ratio.a_ms:.2f} | {ratio.b_ms:.2f} | {ratio.of_medians:.3f}x | {ratio.per_round()} "
             f"| {len(a.times)} | {target} |"

@@ -133,6 +133,34 @@ class TinyRegressor(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class SpikyRegressor(pl.LightningModule):
+    """The tiny regressor on batches ``(x, y, factor)`` (the loss times ``factor``: a spike where it is large), AdamW
+    with a StepLR stepped every step.
+
+    ``clip_at``: a batch index and a norm: the hook clips that batch's gradients to the norm (the reference for
+    ``action="clip"``), before Lightning's own clipping (``on_before_optimizer_step`` runs first).
+    """
+
+    def __init__(self, clip_at: tuple[int, float] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = make_net()
+        self.clip_at = clip_at
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y, factor = batch
+        return mse(self.net, (x, y)) * factor
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.clip_at is not None and self.trainer.global_step == self.clip_at[0]:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_at[1])
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, foreach=True)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 class ScaleRecorder(pl.Callback):
     """Records ``trainer.scaler.get_scale()`` after every training batch, and our plugin's last step's gradient norm."""
 

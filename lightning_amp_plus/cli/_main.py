@@ -45,6 +45,7 @@ from lightning_amp_plus.cli._settings import (
     PRECISIONS,
     SCALER_MAX_SCALE,
     SCALER_MIN_SCALE,
+    SPIKE_ACTIONS,
     TASKS,
     AmpSettings,
     cli_amp_problem,
@@ -221,6 +222,12 @@ def build_parser() -> Parser:
         help="skipped steps in a row that backing off could not help (16-mixed: at the scale's floor; bf16: every "
         "skip) that stop training with a diagnosis (default 50; 0 never). Skips while the loss scale comes down "
         "from its initial value do not count: a run may skip more steps than this in a row and go on",
+    )
+    amp.add_argument(
+        "--spike-guard",
+        choices=SPIKE_ACTIONS,
+        help="skip or clip a step whose gradient norm is a spike: 25 standard deviations above the running mean of "
+        "the steps taken, after 100 steps (SpikeGuard's defaults; docs/spike-guard.md); none by default",
     )
     loop = train_parser.add_argument_group("loop and outputs")
     loop.add_argument("--epochs", type=int_in(1), help="epochs (default 2)")

@@ -29,10 +29,11 @@ __all__ = ["MAY_CHANGE", "ResumePoint", "RunRecord", "read_resume_point"]
 _FREE = frozenset({"num_workers", "data_dir", "download"})
 MAY_CHANGE = (
     "--max-steps, --epochs, the outputs (--report, --headroom), the console flags, --threads, --devices, "
-    "--num-workers and --data-dir"
+    "--num-workers, --data-dir and --spike-guard"
 )
-"""What a resumed run may change, as the refusal and docs/resuming.md say it: how long, what it writes and shows, and
-where and how fast it runs; nothing of the model, the data or the precision."""
+"""What a resumed run may change, as the refusal and docs/resuming.md say it: how long, what it writes and shows, where
+and how fast it runs, and whether a spike guard watches it (one may be added after a spike); nothing of the model, the
+data or the precision."""
 # The settings a flag of `amp-plus train` sets, named as the flag in messages.
 _FLAGS = frozenset(
     {"precision", "master_weights", "compensation", "width", "dropout", "lr", "hidden_dim", "embed_dim", "max_len",

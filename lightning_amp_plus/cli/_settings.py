@@ -25,6 +25,7 @@ __all__ = [
     "PRECISIONS",
     "SCALER_MAX_SCALE",
     "SCALER_MIN_SCALE",
+    "SPIKE_ACTIONS",
     "TASKS",
     "TRAIN_DEFAULTS",
     "AmpSettings",
@@ -47,6 +48,7 @@ class DefaultTask(str):
 DEFAULT_TASK = DefaultTask(TASKS[0])
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
 COMPENSATIONS = ("kahan", "stochastic", "none")
+SPIKE_ACTIONS = ("skip", "clip")
 Task = Literal["cnn", "lstm"]
 PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
 
@@ -101,6 +103,7 @@ def amp_problem(
     scaler_settings: tuple[str, ...] = (),
     max_consecutive_skips: bool = False,
     compensation: bool = False,
+    spike_guard: bool = False,
     flags: bool = False,
     auto: bool = False,
 ) -> str | None:
@@ -112,6 +115,7 @@ def amp_problem(
         scaler_settings: which of ``init_scale``, ``growth_interval``, ``hysteresis`` were given.
         max_consecutive_skips: a skip limit was given.
         compensation: a compensation of bf16 weights was given.
+        spike_guard: a spike guard was asked for.
         flags: word it for the command line (``--master-weights``) instead of Python (``master_weights=True``).
         auto: ``precision`` is what ``--precision auto`` chose on this machine.
 
@@ -142,6 +146,12 @@ def amp_problem(
             f"{names} {verb} the fp16 loss scaler, which {spell.precision(precision)} does not use ({why}). Use "
             f"{_Spelling(flags).precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
         )
+    if spike_guard and precision == "32-true":
+        return (
+            f"{spell.setting('spike_guard')} judges the gradient norm that the mixed-precision plugin's check "
+            f"measures; {spell.precision(precision)} runs no plugin. Choose a mixed precision, or drop "
+            f"{spell.setting('spike_guard')}."
+        )
     if max_consecutive_skips and precision == "32-true":
         return (
             f"{spell.setting('max_consecutive_skips')} limits the steps skipped under mixed precision; "
@@ -170,6 +180,8 @@ class AmpSettings:
         hysteresis: overflows tolerated before the scale backs off (``16-mixed`` only).
         max_consecutive_skips: skipped steps in a row (at the scale's floor, for fp16) that stop training with a
             diagnosis; ``0`` never stops (mixed precisions only).
+        spike_guard: ``"skip"`` or ``"clip"``: a ``SpikeGuard`` with its default threshold and warm-up and this
+            action (mixed precisions only; see the spike guard's page).
         monitor: attach a ``MixedPrecisionMonitor``.
         headroom_interval: the monitor reads per-layer headroom every this many optimizer steps (0: never).
         report_path: where the monitor writes its PNG chart at the end of ``fit`` (a ``.png`` path; needs
@@ -190,6 +202,7 @@ class AmpSettings:
     growth_interval: int | None = None
     hysteresis: int | None = None
     max_consecutive_skips: int | None = None
+    spike_guard: Literal["skip", "clip"] | None = None
     monitor: bool = True
     report_path: str | None = None
     headroom_interval: int = 0
@@ -199,12 +212,17 @@ class AmpSettings:
             raise ValueError(
                 f"`AmpSettings(compensation={self.compensation!r})` must be one of {', '.join(COMPENSATIONS)}."
             )
+        if self.spike_guard not in (None, *SPIKE_ACTIONS):
+            raise ValueError(
+                f"`AmpSettings(spike_guard={self.spike_guard!r})` must be 'skip', 'clip' or None (no guard)."
+            )
         problem = amp_problem(
             self.precision,
             master_weights=self.master_weights,
             scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(self, name) is not None),
             max_consecutive_skips=self.max_consecutive_skips is not None,
             compensation=self.compensation is not None,
+            spike_guard=self.spike_guard is not None,
         )
         if problem is not None:
             raise ValueError(f"`AmpSettings`: {problem}")
@@ -239,6 +257,7 @@ class AmpSettings:
             return []
         from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
         from lightning_amp_plus.step.scaler import DynamicLossScaler
+        from lightning_amp_plus.step.spikes import SpikeGuard
 
         # 0 means "never stop" on the command line, where None cannot be typed.
         limit = 50 if self.max_consecutive_skips is None else (self.max_consecutive_skips or None)
@@ -254,6 +273,7 @@ class AmpSettings:
             max_consecutive_skips=limit,
             master_weights=self.master_weights,
             compensation=compensation,  # type: ignore[arg-type]
+            spike_guard=None if self.spike_guard is None else SpikeGuard(action=self.spike_guard),
         )
         return [plugin]
 
@@ -279,6 +299,7 @@ class AmpSettings:
             self.precision != "bf16-mixed"
             or self.master_weights
             or self.compensation is not None
+            or self.spike_guard is not None
             or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, "max_consecutive_skips"))
         )
 
@@ -319,7 +340,7 @@ class AmpSettings:
 
     def _changed(self) -> str:
         defaults = AmpSettings()
-        names = ("precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips")
+        names = ("precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips", "spike_guard")
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
         )
@@ -351,6 +372,7 @@ def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False
         scaler_settings=tuple(name for name in _SCALER_FIELDS if getattr(args, name) is not None),
         max_consecutive_skips=args.max_consecutive_skips is not None,
         compensation=getattr(args, "compensation", None) is not None,
+        spike_guard=getattr(args, "spike_guard", None) is not None,
         flags=True,
         auto=auto,
     )

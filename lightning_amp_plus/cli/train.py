@@ -172,6 +172,7 @@ def _result(
         "precision": precision,
         "master_weights": amp.master_weights,
         "compensation": amp.compensation,
+        "spike_guard": amp.spike_guard,
         "accelerator": device,
         "devices": args.devices,
         "steps": trainer.global_step,
@@ -300,6 +301,7 @@ def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSett
             hysteresis=args.hysteresis,
             max_consecutive_skips=args.max_consecutive_skips,
             compensation=args.compensation,
+            spike_guard=args.spike_guard,
             report_path=args.report,
             headroom_interval=args.headroom,
         )
@@ -317,6 +319,8 @@ def _start_line(
     threads: str = "",
 ) -> str:
     master = _weights_note(precision, amp.master_weights, amp.compensation)
+    if amp.spike_guard is not None:
+        master += f", spike guard ({amp.spike_guard})"
     devices = f" x {args.devices}" if args.devices > 1 else ""
     length = (
         plural(args.max_steps, "step")

@@ -53,6 +53,7 @@ class MixedPrecisionMonitor(Callback):
 
     * ``amp/loss_scale``: the scale this step's gradients were scaled by (absent without a scaler).
     * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when a step of this batch was skipped).
+    * ``amp/spikes``: under the plugin's ``spike_guard``, the gradient-norm spikes it skipped or clipped in this run.
     * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the plugin's own check (only under this
       package's plugins, which measure it anyway; never recomputed). When several optimizers step in one batch (manual
       optimization), it is the norm over all of their gradients, and ``amp/grad_norm_opt{i}`` gives each optimizer's
@@ -388,7 +389,7 @@ class MixedPrecisionMonitor(Callback):
         self.should_stop = False
         self._examiner.reset()
         # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
-        self._step_metrics.skips_seen = source.skips_so_far()
+        self._step_metrics.skips_seen, self._step_metrics.spikes_seen = source.skips_so_far(), 0
 
     def _finish(self) -> None:
         """The end of a fit (finished or stopped): the summary printed and the chart written, once."""
@@ -406,7 +407,8 @@ class MixedPrecisionMonitor(Callback):
     def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
         for offset, result in enumerate(steps):
             index = first + offset
-            self.history.steps.append(StepEntry(index, result.scale, result.skipped, result.grad_norm, peak))
+            entry = StepEntry(index, result.scale, result.skipped, result.grad_norm, peak, result.spike_verdict)
+            self.history.steps.append(entry)
             if result.overflow_params:
                 self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
             self._watch.watch(self.history, self._source.floor())
@@ -454,12 +456,14 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
 class _StepMetrics:
     """The ``amp/...`` metrics of each batch, and what they carry from batch to batch.
 
-    State: the skips counted so far (a resumed run's included) and the loss scale last shown on the progress bar.
+    State: the skips counted so far (a resumed run's included), the spikes the guard judged in this run, and the loss
+    scale last shown on the progress bar.
     """
 
     def __init__(self, prog_bar: bool) -> None:
         self.prog_bar = prog_bar
         self.skips_seen = 0
+        self.spikes_seen = 0
         self.bar_scale: float | None = None
 
     def of(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
@@ -467,6 +471,8 @@ class _StepMetrics:
         # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
         # its loggers; between them only a changed loss scale is, for the progress bar.
         self.skips_seen += sum(step.skipped for step in steps)
+        verdicts = [step.spike_verdict for step in steps if step.spike_verdict is not None]
+        self.spikes_seen += sum(verdict.spike for verdict in verdicts)
         scale = steps[0].scale  # one scale per batch: the scaler updates once for all of the batch's steps
         metrics: dict[str, float] = {}
         if scale is not None and (everything or (self.prog_bar and scale != self.bar_scale)):
@@ -475,6 +481,8 @@ class _StepMetrics:
             return metrics
         metrics["amp/skipped_steps"] = float(self.skips_seen)
         metrics["amp/step_skipped"] = float(any(step.skipped for step in steps))
+        if verdicts:  # under a spike guard: the spikes it judged so far (skipped or clipped)
+            metrics["amp/spikes"] = float(self.spikes_seen)
         norms = [step.grad_norm for step in steps if step.grad_norm is not None]
         if norms:
             # Over every optimizer step of the batch (their parameters are disjoint): the norm of all gradients.
@@ -507,7 +515,7 @@ class _SkipWatch:
             # problem. A run that never applies a step keeps them, and its window fills with skips.
             self._applied_yet = True
             self._recent.clear()
-        self._recent.append(last.skipped)
+        self._recent.append(last.overflowed)  # a spike the guard skipped is no overflow
         window = len(self._recent)
         if window == self._recent.maxlen and sum(self._recent) / window > self.warn_rate:
             rank_zero_warn(

@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_amp_plus._paths import check_output_file, write_new
 from lightning_amp_plus._wording import plural, shown
-from lightning_amp_plus.monitor.history import AmpHistory, batches, scale_text
+from lightning_amp_plus.monitor.history import AmpHistory, Batch, batches, scale_text
 
 __all__ = ["check_chart_path", "new_figure", "require_matplotlib", "save_png", "write_chart"]
 
@@ -181,6 +181,9 @@ def _run_figure(history: AmpHistory, target: Any = None) -> Any:
     if len(merged) != len(history.steps):
         title += f" in {plural(len(merged), 'batch', 'batches')}"
     title += f", {len(skipped_steps)} skipped"
+    spikes = [b for b in merged if b.spike_verdict is not None and b.spike_verdict.spike]
+    if spikes:
+        title += f", {plural(len(spikes), 'spike')}"  # the legend names the spike guard's marks
     figure.suptitle(title + ("\n" + "; ".join(notes) if notes else ""), fontsize=11)
     if not panels:
         axis = figure.subplots()
@@ -190,10 +193,15 @@ def _run_figure(history: AmpHistory, target: Any = None) -> Any:
     axes = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     for axis, (label, values, kind) in zip(axes, panels, strict=True):
         _draw_series(axis, xs, values, kind, skipped_steps)
+        if kind == "log10":
+            _draw_spike_guard(axis, merged)
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
-    if skipped_steps:  # outside the panels: with many skips, no spot inside is free of lines
-        figure.legend(*axes[0].get_legend_handles_labels(), loc="outside upper right", fontsize=8)
+    if skipped_steps or spikes:  # outside the panels: with many skips, no spot inside is free of lines
+        labelled: dict[str, Any] = {}  # each label once, from whichever panel drew it
+        for axis in axes:
+            labelled.update(zip(*reversed(axis.get_legend_handles_labels()), strict=True))
+        figure.legend(list(labelled.values()), list(labelled), loc="outside upper right", fontsize=8)
     axes[-1].set_xlabel("optimizer step (global step)")
     _step_axis(axes[-1], xs)
     return figure if target is None else list(axes)
@@ -340,6 +348,21 @@ def _draw_series(axis: Any, xs: list[int], values: list[float | None], kind: str
         axis.axvline(step, color="tab:red", alpha=0.35, linewidth=1, label="skipped step" if number == 0 else None)
     if skipped_points and kind != "count":
         axis.plot([x for x, _ in skipped_points], [v for _, v in skipped_points], "x", color="tab:red", markersize=5)
+
+
+def _draw_spike_guard(axis: Any, merged: list[Batch]) -> None:
+    """On the gradient-norm panel: the spike guard's limit (once it decides) and each spike at the norm it judged."""
+    judged = [(b.step, b.spike_verdict) for b in merged if b.spike_verdict is not None]
+    limits = [(x, v.threshold_norm) for x, v in judged if math.isfinite(v.threshold_norm)]  # inf: still warming up
+    if limits:
+        axis.plot(*zip(*limits, strict=True), "--", color="tab:orange", linewidth=1, label="spike guard's limit")
+    for action, marker, label in (("skip", "v", "spike, skipped"), ("clip", "^", "spike, clipped to the limit")):
+        spikes = [(x, v.norm) for x, v in judged if v.action == action]
+        if spikes:
+            axis.plot(*zip(*spikes, strict=True), marker, color="tab:orange", markersize=7, label=label)
+    norms = [v.norm for _, v in judged if v.norm > 0]
+    if norms and axis.get_yscale() == "linear" and max(norms) > 10 * min(norms):
+        axis.set_yscale("log")  # spikes a decade above the rest: on a linear axis the ordinary steps would be flat
 
 
 def _has_isolated_points(drawn: list[tuple[int, float]], xs: list[int]) -> bool:

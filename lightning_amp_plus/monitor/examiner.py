@@ -71,7 +71,7 @@ class Examiner:
         rng, self._rng = self._rng, None
         if replay is None or rng is None:
             return
-        skipped = next((result for result in steps if result.skipped), None)
+        skipped = next((result for result in steps if result.overflowed), None)  # a spike is not an overflow
         if skipped is not None and self.autopsy and self._made < self.autopsy_limit:
             self._autopsy(skipped, replay, rng, count - 1, outputs, history)
         if self.headroom_interval and count % self.headroom_interval == 0:

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_amp_plus.step.spikes import SpikeVerdict
 
 __all__ = ["ROUTINE", "AmpHistory", "Batch", "StepEntry", "batches", "scale_text"]
 
@@ -26,9 +29,10 @@ class StepEntry:
     Attributes:
         step: the global step (the batch) it belongs to.
         scale: the loss scale its gradients carried (``None`` without a loss scaler).
-        skipped: the optimizer step was skipped (non-finite gradients).
+        skipped: the optimizer step was skipped (non-finite gradients, or a spike the spike guard skipped).
         grad_norm: the global norm of its unscaled gradients (``None`` when not measured).
         memory_mb: memory in MB, on the steps it was sampled (``None`` otherwise).
+        spike_verdict: the spike guard's verdict on its gradient norm (``None`` without a guard, or for an overflow).
     """
 
     step: int
@@ -36,6 +40,12 @@ class StepEntry:
     skipped: bool
     grad_norm: float | None
     memory_mb: float | None
+    spike_verdict: SpikeVerdict | None = None
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether it was skipped for non-finite gradients (not for a spike)."""
+        return self.skipped and self.spike_verdict is None
 
 
 @dataclass
@@ -63,6 +73,16 @@ class AmpHistory:
         """Steps that were skipped (a step appears once per skipped optimizer step in it)."""
         return [record.step for record in self.steps if record.skipped]
 
+    @property
+    def overflowed(self) -> list[int]:
+        """Steps that were skipped for non-finite gradients (a step appears once per such optimizer step in it)."""
+        return [record.step for record in self.steps if record.overflowed]
+
+    @property
+    def spikes(self) -> list[tuple[int, SpikeVerdict]]:
+        """The steps the spike guard judged spikes (skipped or clipped), with its verdicts."""
+        return [(r.step, r.spike_verdict) for r in self.steps if r.spike_verdict is not None and r.spike_verdict.spike]
+
 
 @dataclass(frozen=True)
 class Batch:
@@ -74,6 +94,11 @@ class Batch:
     grad_norm: float | None
     memory_mb: float | None
     optimizers: int
+    overflowed: bool = False
+    """A step of the batch was skipped for non-finite gradients (not for a spike)."""
+    spike_verdict: SpikeVerdict | None = None
+    """A spike's verdict if the guard judged one in the batch; else the one optimizer's verdict (``None`` without a
+    guard, or with several optimizers)."""
 
 
 def batches(records: Sequence[StepEntry]) -> list[Batch]:
@@ -94,9 +119,16 @@ def batches(records: Sequence[StepEntry]) -> list[Batch]:
                 math.sqrt(sum(n * n for n in norms)) if norms else None,
                 max(memory) if memory else None,
                 len(group),
+                any(r.overflowed for r in group),
+                _verdict_of(group),
             )
         )
     return sorted(out, key=lambda batch: batch.step)
+
+
+def _verdict_of(group: list[StepEntry]) -> SpikeVerdict | None:
+    spike = next((r.spike_verdict for r in group if r.spike_verdict is not None and r.spike_verdict.spike), None)
+    return spike if spike is not None or len(group) > 1 else group[0].spike_verdict
 
 
 def scale_text(value: float) -> str:

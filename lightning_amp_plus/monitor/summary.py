@@ -9,6 +9,8 @@ from lightning_amp_plus.monitor.history import ROUTINE, AmpHistory, StepEntry, b
 
 __all__ = ["summary"]
 
+_SPIKES_SHOWN = 3
+
 
 def summary(history: AmpHistory) -> str:
     """One paragraph that says how the run went.
@@ -27,7 +29,7 @@ def summary(history: AmpHistory) -> str:
     records = history.steps
     if not records:
         return "MixedPrecisionMonitor: no optimizer step was taken."
-    skipped = history.skipped
+    skipped, overflows = history.skipped, history.overflowed
     batches = len({record.step for record in records})
     head = plural(len(records), "optimizer step")
     if batches != len(records):
@@ -44,21 +46,23 @@ def summary(history: AmpHistory) -> str:
             parts.append(f"loss scale {scale_text(low)} throughout")
         else:
             parts.append(f"loss scale {scale_text(low)} to {scale_text(high)}, last {scale_text(scales[-1])}")
+    if history.spikes:
+        parts.append(_spikes(history))
     routine = [event for event in history.nonfinite_events if event[1] == ROUTINE]
     streak = _final_streak(records)
     # An autopsy that found a cause no loss scale cures ("forward", "backward") makes the skips anything but routine.
     incurable = [autopsy.step for autopsy in history.autopsies if autopsy.kind != "scale"]
-    if skipped and scales and incurable:
+    if overflows and scales and incurable:
         parts.append(
             f"the skips include a cause loss scaling cannot cure (the autopsy of step {incurable[0]}), not only the "
             "overflows a loss scaler catches"
         )
-    elif skipped and scales and not streak:
+    elif overflows and scales and not streak:
         parts.append(_scaled_skips(history))
-    elif skipped and scales:
+    elif overflows and scales:
         ending = "a skipped step (an fp16 overflow)" if streak == 1 else f"{streak} skipped steps in a row"
         parts.append(f"the run ended on {ending}: overflows that lowering the loss scale did not cure")
-    elif skipped:
+    elif overflows:
         first = f", the first at step {routine[0][0]} in {_names(routine[0][2])}" if routine else ""
         parts.append(f"skipped for non-finite gradients{first}")
     memory = [r.memory_mb for r in records if r.memory_mb is not None]
@@ -88,8 +92,8 @@ def _scaled_skips(history: AmpHistory) -> str:
     cured = {step for step, kind in history.replayed.items() if kind == "scale"}
     highest_applied: float | None = None
     for batch in batches(history.steps):
-        if not batch.skipped:
-            if batch.scale is not None:
+        if not batch.overflowed:
+            if batch.scale is not None and not batch.skipped:
                 highest_applied = max(batch.scale, highest_applied or batch.scale)
             continue
         grown = highest_applied is None or (batch.scale is not None and batch.scale > highest_applied)
@@ -123,6 +127,18 @@ def _scaled_skips(history: AmpHistory) -> str:
             "loop, pass observe(..., replay=...))"
         )
     return "; ".join(said)
+
+
+def _spikes(history: AmpHistory) -> str:
+    """The spikes the spike guard judged: how many, and the first few with their norms against the running mean."""
+    spikes = history.spikes
+    shown = []
+    for step, verdict in spikes[:_SPIKES_SHOWN]:
+        what = "skipped" if verdict.action == "skip" else "clipped to the limit"
+        ratio = f", {verdict.norm / verdict.mean:.3g}x the running mean {verdict.mean:.3g}" if verdict.mean > 0 else ""
+        shown.append(f"step {step} {what} (norm {verdict.norm:.3g}{ratio}; limit {verdict.threshold_norm:.3g})")
+    more = f" and {len(spikes) - _SPIKES_SHOWN} more (monitor.history.spikes)" if len(spikes) > _SPIKES_SHOWN else ""
+    return f"the spike guard judged {plural(len(spikes), 'gradient-norm spike')}: {', '.join(shown)}{more}"
 
 
 def _steps(steps: list[int]) -> str:
@@ -167,7 +183,7 @@ def _final_streak(records: list[StepEntry]) -> int:
     """How many batches at the end were all skipped (0 when the run ended on an applied step)."""
     count = 0
     for batch in reversed(batches(records)):
-        if not batch.skipped:
+        if not batch.overflowed:
             break
         count += 1
     return count

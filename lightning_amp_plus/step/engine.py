@@ -51,10 +51,18 @@ from lightning_amp_plus._checks import is_int, read_count, require
 from lightning_amp_plus.step import fused, schedulers
 from lightning_amp_plus.step.float32 import f32
 from lightning_amp_plus.step.grads import checked_norm, clip_by_norm_, measure
-from lightning_amp_plus.step.outcome import BF16_STALL, PENDING_MAX, PendingReads, SkipCounter, Stall, StepResult
+from lightning_amp_plus.step.outcome import (
+    BF16_STALL,
+    PENDING_MAX,
+    SPIKE_STALL,
+    PendingReads,
+    SkipCounter,
+    Stall,
+    StepResult,
+)
 from lightning_amp_plus.step.policy import LossScale
 from lightning_amp_plus.step.sharding import Sharding, local_views
-from lightning_amp_plus.step.spikes import SPIKE_STALL, SpikeGuard, SpikeGuards
+from lightning_amp_plus.step.spikes import SpikeGuard, SpikeGuards
 from lightning_amp_plus.weights.compensated import Compensators, Method
 
 __all__ = ["Stage", "StepEngine"]
@@ -297,7 +305,7 @@ class StepEngine:
         if step.result.skipped:
             return None
         stepped = optimizer.step(**kwargs) if apply is None else apply()
-        if step.result.spike_verdict is not None and self.spike_guards is not None:
+        if self.spike_guards is not None and step.result.spike_verdict is not None:
             self.spike_guards.of(self._position(optimizer)).observe(step.result.spike_verdict)
         return stepped
 
@@ -310,11 +318,9 @@ class StepEngine:
         Raises:
             FloatingPointError: the skip limit was reached by fused steps (learnt here, when it could be).
         """
-        # A spike the guard skipped leaves the scale as it was, as if its batch had not been seen.
         results = [step.result for step in self._passes.values() if step.stage is not Stage.READY]
-        results = [
-            result for result in results if result.spike_verdict is None or result.spike_verdict.action != "skip"
-        ]
+        if self.spike_guards is not None:  # a skipped spike leaves the scale as it was: as if its batch was not seen
+            results = [r for r in results if r.spike_verdict is None or r.spike_verdict.action != "skip"]
         self._passes = {}
         pending = len(self._fused.entries)
         if pending and (pending >= PENDING_MAX or self._skips.due_within(pending)):
@@ -324,7 +330,7 @@ class StepEngine:
         if new_scale is not None:
             self.loss_scale.set(new_scale)
         elif not self._fused.entries and not self.loss_scale.on_device:  # every flag known on the host
-            self.loss_scale.update(any(result.overflowed for result in results))
+            self.loss_scale.update(any(result.skipped for result in results))  # overflows: spike skips left out
         else:  # a flag still on the device, or the scale's state there: the update stays there (no host read)
             flags = self._fused.flags_of(results)  # the iteration's unread flags, a 1.0 for an overflow already read
             self.loss_scale.advance(flags[0] if len(flags) == 1 else torch.stack(flags).amax())

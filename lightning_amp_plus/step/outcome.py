@@ -35,7 +35,7 @@ from lightning_amp_plus.step.float32 import f32
 if TYPE_CHECKING:
     from lightning_amp_plus.step.spikes import SpikeVerdict
 
-__all__ = ["PENDING_MAX", "PendingReads", "SkipCounter", "Stall", "StepResult"]
+__all__ = ["BF16_STALL", "PENDING_MAX", "SPIKE_STALL", "PendingReads", "SkipCounter", "Stall", "StepResult"]
 
 # Fused-path steps whose values may wait unread on the device, when no skip limit asks for them sooner.
 PENDING_MAX = 256
@@ -307,6 +307,15 @@ BF16_STALL = Stall(
     "check the inputs and the loss for inf/NaN, lower the learning rate, or clip gradients",
 )
 """Why a check without a loss scale (bf16) stalls: nothing but the model can make the gradients finite."""
+
+SPIKE_STALL = Stall(
+    "as gradient-norm spikes (SpikeGuard, action='skip')",
+    "The gradient norm rose and stayed above the guard's limit: a skipped spike never enters the running statistics, "
+    "so after a lasting rise (a new phase of the data, a learning-rate restart) every step is judged a spike.",
+    "SpikeGuard(action='clip'), whose clipped steps enter the statistics and so follow a lasting rise, or a higher "
+    "`threshold`",
+)
+"""Why a run of spike skips stalls: the guard's statistics cannot follow a lasting rise it keeps skipping."""
 
 
 class SkipCounter:

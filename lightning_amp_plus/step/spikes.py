@@ -35,10 +35,8 @@ from typing import Any, Literal
 
 from lightning_amp_plus._checks import COUNTER_MAX, check_int, check_real, is_int, real, show
 from lightning_amp_plus.step.float32 import f32
-from lightning_amp_plus.step.outcome import Stall
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SPIKE_STALL", "SpikeGuard", "SpikeGuards",
-           "SpikeVerdict"]  # fmt: skip
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SpikeGuard", "SpikeGuards", "SpikeVerdict"]
 
 DEFAULT_THRESHOLD = 25.0
 """Standard deviations above the running mean that make a spike (the benchmark's choice; see the module docstring)."""
@@ -281,16 +279,6 @@ class SpikeGuard:
                 f"The {name} state holds {key}={show(value)}; expected a finite number >= 0: the state is corrupt."
             )
         return number
-
-
-SPIKE_STALL = Stall(
-    "as gradient-norm spikes (SpikeGuard, action='skip')",
-    "The gradient norm rose and stayed above the guard's limit: a skipped spike never enters the running statistics, "
-    "so after a lasting rise (a new phase of the data, a learning-rate restart) every step is judged a spike.",
-    "SpikeGuard(action='clip'), whose clipped steps enter the statistics and so follow a lasting rise, or a higher "
-    "`threshold`",
-)
-"""Why a run of spike skips stalls: the guard's statistics cannot follow a lasting rise it keeps skipping."""
 
 
 class SpikeGuards:

@@ -483,6 +483,7 @@ def test_the_package_exposes_its_public_names_on_first_use() -> None:
         "FSDPMixedPrecisionPlugin",
         "MixedPrecisionMonitor",
         "MixedPrecisionPlugin",
+        "SpikeGuard",
     ]
     assert set(lightning_amp_plus.__all__) <= set(dir(lightning_amp_plus))
     assert lightning_amp_plus.MixedPrecisionPlugin is MixedPrecisionPlugin

@@ -309,3 +309,13 @@ def test_the_trainer_example_shows_none_of_lightnings_noise(tmp_path: Path, capl
     said = caplog.text + "\n".join(str(w.message) for w in caught)
     for noise in LIGHTNING_NOISE:
         assert noise not in said, noise
+
+
+@pytest.mark.parametrize(("action", "skipped"), [("skip", 2), ("clip", 0)])
+def test_the_spike_guard_example_catches_its_two_mislabelled_batches(
+    action: str, skipped: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = load("spike_guard").main(["--action", action, "--report", str(tmp_path / "amp.png")])
+    assert result == {"skipped_steps": skipped, "spikes": [150, 220]}
+    assert "the spike guard judged 2 gradient-norm spikes: step 150 " in capsys.readouterr().out
+    assert (tmp_path / "amp.png").is_file()

@@ -46,8 +46,8 @@ from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
-from lightning_amp_plus.step import engine as step_engine
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin, SpikeGuard
+from lightning_amp_plus.step import grads as step_grads
 from lightning_amp_plus.step.outcome import StepResult
 
 pytestmark = [
@@ -269,7 +269,7 @@ def without_the_reduction(out: Path) -> dict[str, Any]:
     """The same fault with the overflow flag NOT reduced across ranks: what the feature prevents."""
     torch.manual_seed(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_engine, "max_across_ranks", lambda norm, group: norm)
+        patch.setattr(step_grads, "max_across_ranks", lambda norm, group: norm)
         return recorded_fit(RankData(), our_plugin("bf16-mixed", False), FAULT_STEP + 2)
 
 
@@ -319,7 +319,38 @@ def monitor(out: Path) -> dict[str, Any]:
     }
 
 
+class SpikeOnOneRank(RankData):
+    """RankData whose loss on rank ``FAULT_RANK`` only is 10x at ``SPIKE_STEP``: DDP averages it into every rank's
+    gradients (a finite spike, no overflow)."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        spike = self.global_rank == FAULT_RANK and self.trainer.global_step == SPIKE_STEP
+        return loss * 10.0 if spike else loss
+
+
+SPIKE_STEP = 6
+
+
+def spikes(out: Path) -> dict[str, Any]:
+    """The spike guard ("skip" and "clip") with a spike in one rank's batch, in fp16 and bf16."""
+    results = {}
+    for precision in PRECISIONS:
+        for action in ("skip", "clip"):
+            torch.manual_seed(0)
+            guard = SpikeGuard(warmup=4, action=action)  # type: ignore[arg-type]
+            # The scale held at 2**10: grown, the spike's scaled fp16 gradients would overflow (not a spike then).
+            scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=10_000) if precision == "16-mixed" else None
+            plugin = MixedPrecisionPlugin(precision, device="cpu", scaler=scaler, spike_guard=guard)  # type: ignore[arg-type]
+            record = recorded_fit(SpikeOnOneRank(fault_steps=()), plugin, STEPS + 2)
+            record["verdicts"] = [r.spike_verdict for r in plugin.recent_steps]
+            record["guard"] = guard.state_dict()
+            results[f"{precision}/{action}"] = record
+    return results
+
+
 SCENARIOS: dict[str, Callable[[Path], dict[str, Any]]] = {
+    "spikes": spikes,
     "modes": each_mode,
     "unreduced": without_the_reduction,
     "accumulation": accumulation,
@@ -531,3 +562,18 @@ def test_deepspeed_engines_are_refused_with_the_way_out() -> None:
     engine_class = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
     with pytest.raises(TypeError, match=r"cannot run under DeepSpeed.*strategy='deepspeed', precision="):
         MixedPrecisionPlugin("bf16-mixed").connect(engine_class(), [], [])
+
+
+@pytest.mark.parametrize("action", ["skip", "clip"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_spike_in_one_ranks_batch_is_judged_alike_on_every_rank(
+    ranks: list[dict[str, Any]], precision: str, action: str
+) -> None:
+    records = tuple(record[f"{precision}/{action}"] for record in scenario(ranks, "spikes"))
+    assert_same_on_every_rank(records)
+    first, second = records
+    assert first["verdicts"] == second["verdicts"] and first["guard"] == second["guard"]
+    flagged = [i for i, verdict in enumerate(first["verdicts"]) if verdict is not None and verdict.spike]
+    assert flagged == [SPIKE_STEP]
+    skipped = [i for i, batch in enumerate(first["batches"]) if batch["skipped"]]
+    assert skipped == ([SPIKE_STEP] if action == "skip" else [])

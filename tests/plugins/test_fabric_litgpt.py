@@ -42,7 +42,13 @@ def tokens(iteration: int) -> Tensor:
 
 
 def pretrain(
-    plugin: Precision, *, fault_at: int | None = None, fault: float = math.inf, fused: bool = False, **clip: Any
+    plugin: Precision,
+    *,
+    fault_at: int | None = None,
+    fault: float = math.inf,
+    fused: bool = False,
+    steps: int = STEPS,
+    **clip: Any,
 ) -> tuple[list[float], list[list[Tensor]]]:
     """litgpt's ``fit`` loop for ``STEPS`` optimizer steps; returns what ``clip_gradients`` returned at each step
     and the parameters after each step."""
@@ -54,9 +60,9 @@ def pretrain(
     after: list[list[Tensor]] = []
     norms: list[float] = []
     iteration = step = 0
-    while step < STEPS:
+    while step < steps:
         for group in optimizer.param_groups:
-            group["lr"] = get_lr(LR, iteration, WARMUP, STEPS * ACCUMULATE, MIN_LR)
+            group["lr"] = get_lr(LR, iteration, WARMUP, steps * ACCUMULATE, MIN_LR)
         train_data = tokens(iteration)
         iteration += 1
         input_ids = train_data[:, 0 : model.max_seq_length].contiguous().long()
@@ -134,3 +140,21 @@ def test_litgpt_with_fused_adamw_and_clipping_skips_the_overflow_as_gradscaler_w
     assert_same(mine, theirs, "fused AdamW, clipping, an overflow at step 2")
     assert plugin.skipped_steps == 1
     assert all(torch.equal(p, q) for p, q in zip(mine[1], mine[2], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_litgpt_a_finite_spike_is_skipped_by_the_guard_where_fabrics_builtin_takes_it(precision: str) -> None:
+    from lightning_amp_plus import SpikeGuard
+
+    # A last micro-batch's loss x20: a norm 13x the usual (x1000 would overflow the scaled fp16 gradients instead).
+    spike, steps, fault = 8, 10, 20.0
+    guarded_plugin = ours(precision, spike_guard=SpikeGuard(warmup=4))
+    _, with_guard = pretrain(guarded_plugin, fault_at=spike, fault=fault, steps=steps)
+    _, unguarded = pretrain(ours(precision), fault_at=spike, fault=fault, steps=steps)
+    verdicts = [result.spike_verdict for result in guarded_plugin.recent_steps]
+    assert [i for i, v in enumerate(verdicts) if v is not None and v.spike] == [spike]
+    assert guarded_plugin.skipped_steps == 1
+    assert_same(with_guard[:spike], unguarded[:spike], "the steps before the spike")
+    assert_same([with_guard[spike]], [with_guard[spike - 1]], "the skipped spike's step")  # nothing applied
+    # Unguarded, the spike is taken (and clipped by litgpt's max_norm, which only scales its direction down).
+    assert not all(torch.equal(a, b) for a, b in zip(unguarded[spike], unguarded[spike - 1], strict=True))
