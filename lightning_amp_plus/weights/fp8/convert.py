@@ -25,10 +25,10 @@ optimizer's state for them carries on.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_amp_plus.weights.fp8.layer import LayerGuard
 from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
@@ -44,7 +44,7 @@ __all__ = [
     "eligible",
     "fall_back",
     "guard_of",
-    "warn_if_none",
+    "warn_what_stays_in_bf16",
 ]
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
@@ -194,9 +194,27 @@ def _has_high_precision_gemm(config: Any) -> bool:
     return any(cast.scaling_type is ScalingType.DISABLED for cast in casts)
 
 
-def warn_if_none(converted_now: Collection[str], converted_before: int, model: nn.Module, modules: Modules) -> None:
-    """Say when a conversion left the model without any FP8 layer, and why."""
-    if converted_now or converted_before:
+def warn_what_stays_in_bf16(
+    converted_now: Collection[str], converted_before: int, model: nn.Module, modules: Modules
+) -> None:
+    """At a model's first conversion, say what stays in bf16: everything (and why), or its other matrix layers.
+
+    A model whose matrix multiplies live in other module types (transformers' GPT-2 computes its attention and MLP in
+    ``Conv1D``, ``nn.MultiheadAttention`` its output projection in a subclass of ``nn.Linear``) trains those in bf16;
+    a run that says "fp8-mixed" names them rather than let it pass for FP8.
+    """
+    if converted_before:
+        return
+    others = _other_matrix_layers(model)
+    if converted_now:
+        if others:
+            warnings.warn(
+                f"{len(converted_now)} layer(s) of the model train in FP8 ({_some(list(converted_now))}); "
+                f"{_count(others)} with a weight matrix are not exactly nn.Linear and compute in bf16: "
+                f"{_by_type(others)} (torchao converts nn.Linear layers only).",
+                UserWarning,
+                stacklevel=3,
+            )
         return
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     fit = [name for name, module in model.named_modules() if eligible(module, name)]
@@ -212,4 +230,36 @@ def warn_if_none(converted_now: Collection[str], converted_before: int, model: n
             f"none of its {len(linears)} nn.Linear layers is eligible (exactly nn.Linear, both weight dimensions "
             "divisible by 16)."
         )
+    if others:
+        reason += f" Its {_count(others)} with a weight matrix that are not exactly nn.Linear never convert: "
+        reason += f"{_by_type(others)}."
     warnings.warn(f"No layer of the model trains in FP8: {reason}", UserWarning, stacklevel=3)
+
+
+def _other_matrix_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules with a 2-D ``weight`` of their own that are neither exactly ``nn.Linear`` nor an embedding."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is not nn.Linear
+        and not isinstance(module, (Float8Linear, nn.Embedding, nn.EmbeddingBag))
+        and isinstance(module._parameters.get("weight"), Tensor)
+        and module._parameters["weight"].ndim == 2
+    }
+
+
+def _count(layers: Mapping[str, nn.Module]) -> str:
+    return f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _by_type(layers: Mapping[str, nn.Module]) -> str:
+    kinds: dict[str, list[str]] = {}
+    for name, module in layers.items():
+        kinds.setdefault(type(module).__name__, []).append(name)
+    return "; ".join(f"{len(names)} {kind} ({_some(names)})" for kind, names in kinds.items())

@@ -32,7 +32,7 @@ from lightning_amp_plus.weights.fp8.convert import (
     convert_in_place,
     converted,
     fall_back,
-    warn_if_none,
+    warn_what_stays_in_bf16,
 )
 from lightning_amp_plus.weights.fp8.fallback import FallbackRule
 from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
@@ -273,12 +273,13 @@ class FP8Training:
     def convert(self, model: nn.Module) -> list[str]:
         """Convert ``model``'s chosen layers in place (a second call converts only what is new); return their names.
 
-        Warns when the model ends up with no FP8 layer at all, saying why.
+        Warns, at the first conversion, when the model ends up with no FP8 layer at all (saying why), or when some of
+        its layers with a weight matrix are not ``nn.Linear`` (they compute in bf16: GPT-2's ``Conv1D``).
         """
         before = len(self.layers)
         now = convert_in_place(model, self.recipe, self.modules, skip=set(self._fallen), log=self.log)
         self._layers.update(now)
-        warn_if_none(now, before, model, self.modules)
+        warn_what_stays_in_bf16(now, before, model, self.modules)
         return list(now)
 
     def is_check_step(self, step: int) -> bool:
