@@ -120,7 +120,10 @@ class Readings:
 
         if not args or not isinstance(args[0], Tensor) or not torch.is_grad_enabled():
             return  # an evaluation forward (no_grad, inference mode) between arming and the step is not training's
-        operands = {"input": input_as_cast(args[0], every_device), "weight": layer.weight}
+        operands = {"input": input_as_cast(args[0], every_device)}
+        weight = layer.weight
+        if isinstance(weight, Tensor) and not _cast_already(weight):
+            operands["weight"] = weight
         self._count(name, casts, operands)
 
     def _after(self, name: str, casts: tuple[Any, ...], _layer: nn.Module, _args: Any, output: Any) -> None:
@@ -139,6 +142,16 @@ class Readings:
                     counts = cast_counts(operand_2d(cast.operand, operands[cast.operand]), cast)
                     key = (name, cast.name)
                     self._counts[key] = counts if key not in self._counts else self._counts[key] + counts
+
+
+def _cast_already(weight: Tensor) -> bool:
+    """Whether the weight reaches the layer in float8 already: FSDP2's FP8 all-gather cast it, from the shards.
+
+    Its high-precision values never reach the layer then, so its cast is not read (the input and gradient casts are).
+    """
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(weight, Float8TrainingTensor)
 
 
 def _percent(part: int, whole: int) -> float:
