@@ -19,14 +19,13 @@ from torch import nn
 
 from lightning_amp_plus._checks import check_bool, check_int
 from lightning_amp_plus.plugins.fp8 import DEFAULTS as FP8_DEFAULTS
-from lightning_amp_plus.plugins.fp8 import FP8, check_fp8_device, check_fp8_options
+from lightning_amp_plus.plugins.fp8 import FP8, check_fp8_device, check_fp8_options, refuse_fsdp1
 from lightning_amp_plus.plugins.ranks import fsdp2_policy
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.outcome import StepResult
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.step.spikes import SpikeGuard, SpikeGuards
 from lightning_amp_plus.weights.compensated import Method
-from lightning_amp_plus.weights.fp8.training import FP8Training
 
 __all__ = [
     "COMPENSATIONS",
@@ -45,7 +44,6 @@ __all__ = [
     "checked_settings",
     "default_device",
     "engine_for",
-    "fp8_for",
     "half_dtype",
     "plugin_str",
     "refuse_deepspeed",
@@ -263,15 +261,6 @@ def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngin
     return engine, None
 
 
-def fp8_for(name: str, settings: Settings) -> FP8Training | None:
-    """The :class:`~lightning_amp_plus.weights.fp8.FP8Training` a plugin holds as ``plugin.fp8`` (fp8-mixed only)."""
-    if settings.precision != FP8 or settings.fp8_check_interval is None:
-        return None
-    return FP8Training(
-        settings.fp8_recipe, settings.fp8_modules, settings.fp8_check_interval, settings.fp8_fallback, owner=name
-    )
-
-
 def _checked_scaler(settings: Settings, scaler: object, where: str) -> DynamicLossScaler:
     """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``None``."""
     if settings.precision != "16-mixed":
@@ -313,12 +302,7 @@ def check_fsdp_precision(name: str, precision: object, framework: str) -> None:
     bf16-true under FSDP1 is FSDP's own bf16 shards: the compensated update is not defined on its flat parameters.
     FP8 training under FSDP is torchao's, on FSDP2 only.
     """
-    if precision == FP8:
-        raise ValueError(
-            f"`{name}('{FP8}')` is not supported: torchao trains in FP8 under FSDP2, not FSDP1's flat parameters. Use "
-            f"{framework}(strategy=ModelParallelStrategy(...)) with MixedPrecisionPlugin('{FP8}') and "
-            "`fully_shard(..., mp_policy=plugin.mp_policy)` (docs: FP8 training, FSDP2)."
-        )
+    refuse_fsdp1(name, precision, framework)
     if precision not in ("16-mixed", "bf16-mixed"):
         raise ValueError(
             f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed' (for '32-true', "

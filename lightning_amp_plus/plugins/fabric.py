@@ -51,7 +51,6 @@ from lightning_amp_plus.plugins.core import (
     checked_settings,
     default_device,
     engine_for,
-    fp8_for,
     half_dtype,
     refuse_deepspeed,
 )
@@ -168,7 +167,7 @@ class MixedPrecisionPlugin(Readings, Precision):
         self.precision = precision  # type: ignore[assignment]  # "fp8-mixed" is ours
         self.device = self.settings.device
         self.engine, self._scaler = engine_for(self._name(), self.settings, scaler)
-        self.fp8: FP8Training | None = fp8_for(self._name(), self.settings)
+        self.fp8: FP8Training | None = _fp8.fp8_for(self._name(), self.settings)
         if self.fp8 is not None and self.device is not None:
             check_device_supports(self._name(), self.device, precision)  # no float8 GEMM here: refused before setup
         self._desired_input_dtype = half_dtype(precision)

@@ -2,14 +2,15 @@
 
 Shared by the Trainer's and Fabric's ``MixedPrecisionPlugin`` (composition: each holds one
 :class:`~lightning_amp_plus.weights.fp8.FP8Training` as ``plugin.fp8``, made by
-:func:`~lightning_amp_plus.plugins.core.fp8_for`; ``None`` for the other precisions). The
+:func:`fp8_for`; ``None`` for the other precisions). The
 numerics are :mod:`~lightning_amp_plus.weights.fp8`'s; here the Lightning side of them:
 
 * the options, checked once with the plugin's other arguments (:func:`check_fp8_options`, from
   :func:`~lightning_amp_plus.plugins.core.checked_settings`), each refusal naming the argument, its value and the fix;
 * the device: native float8 GEMMs on CUDA from compute capability 8.9 (Ada, Hopper, Blackwell), refused below it;
   emulated on CPU (correct, slow: one warning); refused on MPS (:func:`check_fp8_device`);
-* the conversion at set-up (:func:`convert_for`), refused where ``fully_shard`` ran first;
+* the conversion at set-up (:func:`convert_for`), refused where ``fully_shard`` ran first; FSDP1's plugins refuse
+  ``"fp8-mixed"`` (:func:`refuse_fsdp1`);
 * after each optimizer step (:func:`after_step`): the check step's readings and the non-finite flags reduced across
   data-parallel ranks (one SUM all-reduce, so that every rank falls back the same layers), a fallback said on rank
   zero.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
@@ -47,7 +48,16 @@ from lightning_amp_plus.weights.fp8.training import (
 if TYPE_CHECKING:
     from lightning_amp_plus.step.outcome import StepResult
 
-__all__ = ["FP8", "FP8Options", "after_step", "check_fp8_device", "check_fp8_options", "convert_for"]
+__all__ = [
+    "FP8",
+    "FP8Options",
+    "after_step",
+    "check_fp8_device",
+    "check_fp8_options",
+    "convert_for",
+    "fp8_for",
+    "refuse_fsdp1",
+]
 
 FP8 = "fp8-mixed"
 NATIVE_CAPABILITY = (8, 9)
@@ -121,6 +131,44 @@ def check_fp8_options(
     require_torchao(name)
     check_all_gather(name, options.recipe, options.fallback, ("fp8_recipe", "fp8_fallback"))
     return options
+
+
+class FP8Settings(Protocol):
+    """What :func:`fp8_for` reads of a plugin's settings (:class:`~lightning_amp_plus.plugins.core.Settings`)."""
+
+    @property
+    def precision(self) -> str: ...
+    @property
+    def fp8_recipe(self) -> Any: ...
+    @property
+    def fp8_modules(self) -> Any: ...
+    @property
+    def fp8_check_interval(self) -> int | None: ...
+    @property
+    def fp8_fallback(self) -> float | None: ...
+
+
+def fp8_for(name: str, settings: FP8Settings) -> FP8Training | None:
+    """The :class:`~lightning_amp_plus.weights.fp8.FP8Training` a plugin holds as ``plugin.fp8`` (fp8-mixed only)."""
+    if settings.precision != FP8 or settings.fp8_check_interval is None:
+        return None
+    return FP8Training(
+        settings.fp8_recipe, settings.fp8_modules, settings.fp8_check_interval, settings.fp8_fallback, owner=name
+    )
+
+
+def refuse_fsdp1(name: str, precision: object, framework: str) -> None:
+    """Refuse ``"fp8-mixed"`` in an FSDP1 plugin, naming FSDP2, where torchao trains in FP8.
+
+    Raises:
+        ValueError: ``precision`` is ``"fp8-mixed"``.
+    """
+    if precision == FP8:
+        raise ValueError(
+            f"`{name}('{FP8}')` is not supported: torchao trains in FP8 under FSDP2, not FSDP1's flat parameters. Use "
+            f"{framework}(strategy=ModelParallelStrategy(...)) with MixedPrecisionPlugin('{FP8}') and "
+            "`fully_shard(..., mp_policy=plugin.mp_policy)` (docs: FP8 training, FSDP2)."
+        )
 
 
 def check_fp8_device(name: str, device: str, warn: bool) -> None:

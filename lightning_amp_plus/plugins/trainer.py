@@ -39,7 +39,6 @@ from lightning_amp_plus.plugins.core import (
     checked_settings,
     default_device,
     engine_for,
-    fp8_for,
     half_dtype,
     plugin_str,
     refuse_deepspeed,
@@ -180,7 +179,7 @@ class MixedPrecisionPlugin(Readings, Precision):
         self.precision = precision  # type: ignore[assignment]  # "fp8-mixed" is ours: trainer.precision reports it
         self.device = self.settings.device
         self.engine, self._scaler = engine_for(name, self.settings, scaler)
-        self.fp8: FP8Training | None = fp8_for(name, self.settings)
+        self.fp8: FP8Training | None = _fp8.fp8_for(name, self.settings)
         self._half_weights = precision == "bf16-true"
         self._half_dtype = half_dtype(precision)
         self._hooks_read_gradients = True

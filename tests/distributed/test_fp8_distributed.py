@@ -289,12 +289,30 @@ def fabric_fsdp2(all_gather: bool) -> dict[str, Any]:
     }
 
 
+class ShardedUnconverted(RankGPT):
+    """Shards in ``configure_model`` without converting first."""
+
+    def configure_model(self) -> None:
+        shard_gpt(self.gpt, self.device_mesh["data_parallel"])
+
+
+def sharded_before_converted() -> str:
+    try:
+        trainer(model_parallel(), plugins=[MixedPrecisionPlugin("fp8-mixed")]).fit(
+            ShardedUnconverted(), rank_loader(STEPS)
+        )
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def fsdp2(out: Path) -> dict[str, Any]:
-    return {
+    runs: dict[str, Any] = {
         f"{front_end}/{'all_gather' if all_gather else 'tensorwise'}": run(all_gather)
         for front_end, run in (("trainer", trainer_fsdp2), ("fabric", fabric_fsdp2))
         for all_gather in (False, True)
     }
+    return {**runs, "sharded first": sharded_before_converted()}
 
 
 SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2}
@@ -366,3 +384,12 @@ def test_with_fp8_all_gather_the_plugin_precomputes_the_scales_after_each_optimi
     for rank in scenario(ranks, "fsdp2"):
         assert rank[f"{front_end}/all_gather"]["precompute_calls"] == STEPS
         assert rank[f"{front_end}/tensorwise"]["precompute_calls"] == 0  # the weights are all-gathered in bf16
+
+
+def test_a_model_sharded_before_the_plugin_could_convert_it_is_refused_naming_the_fix(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for rank in scenario(ranks, "fsdp2"):
+        message = rank["sharded first"]
+        assert "are sharded already (fully_shard ran before the plugin could convert them)" in message
+        assert "`self.trainer.precision_plugin.fp8.convert(self)`, then `fully_shard(" in message
