@@ -18,6 +18,8 @@ from lightning.fabric.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_amp_plus._checks import check_bool, check_int
+from lightning_amp_plus.plugins.fp8 import DEFAULTS as FP8_DEFAULTS
+from lightning_amp_plus.plugins.fp8 import FP8, check_fp8_device, check_fp8_options, refuse_fsdp1
 from lightning_amp_plus.plugins.ranks import fsdp2_policy
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.outcome import StepResult
@@ -48,7 +50,7 @@ __all__ = [
     "refuse_for_half_weights",
 ]
 
-PRECISIONS = ("16-mixed", "bf16-mixed", "bf16-true")
+PRECISIONS = ("16-mixed", "bf16-mixed", "bf16-true", "fp8-mixed")
 COMPENSATIONS = ("auto", "kahan", "stochastic", None)
 # The default of `max_consecutive_skips`. With a scaler passed too, any other value must equal the scaler's own limit.
 DEFAULT_SKIPS = 50
@@ -59,7 +61,7 @@ class Settings:
     """A plugin's options, checked: the Trainer's and Fabric's plugins take the same ones (see their docstrings).
 
     Attributes:
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"fp8-mixed"``.
         device: the autocast device type given, or ``None`` to take the model's (``plugin.device`` is the one in use).
         skip_nonfinite: whether bf16 steps with non-finite gradients are skipped (fp16 always checks).
         hold_schedulers_on_skip: whether LR schedulers are held while their optimizer's steps are skipped.
@@ -69,6 +71,13 @@ class Settings:
         compensation: the compensation of bf16 weights (``None`` for the mixed precisions and plain bf16-true).
         rounding_seed: the seed of stochastic rounding.
         spike_guard: the guard of each step's gradient norm (``None``: none); its statistics are the engine's.
+        fp8_recipe: with ``"fp8-mixed"``, torchao's recipe (a name, or a ``Float8LinearConfig``); ``None`` otherwise.
+        fp8_modules: with ``"fp8-mixed"``, which eligible Linear layers train in FP8 (``None``: all, ``"auto"``, or a
+            callable ``(module, name) -> bool``).
+        fp8_check_interval: with ``"fp8-mixed"``, optimizer steps between two readings of the casts; ``None``
+            otherwise.
+        fp8_fallback: with ``"fp8-mixed"``, the percent flushed above which a layer falls back to bf16 (``None``: it
+            never does, and always ``None`` for the other precisions).
     """
 
     precision: str
@@ -81,6 +90,10 @@ class Settings:
     compensation: Method | None
     rounding_seed: int
     spike_guard: SpikeGuard | None = None
+    fp8_recipe: Any = None
+    fp8_modules: Any = None
+    fp8_check_interval: int | None = None
+    fp8_fallback: float | None = None
 
 
 class Readings:
@@ -159,6 +172,10 @@ def checked_settings(
     compensation: object,
     rounding_seed: object,
     spike_guard: object = None,
+    fp8_recipe: object = FP8_DEFAULTS.recipe,
+    fp8_modules: object = FP8_DEFAULTS.modules,
+    fp8_check_interval: object = FP8_DEFAULTS.check_interval,
+    fp8_fallback: object = FP8_DEFAULTS.fallback,
 ) -> Settings:
     """Check a plugin's arguments (each error names ``name``, the argument, the value and the fix)."""
     check_precision(name, precision)
@@ -174,6 +191,15 @@ def checked_settings(
     limit = None if max_consecutive_skips is None else int(max_consecutive_skips)  # type: ignore[call-overload]
     seed = check_int(name, "rounding_seed", rounding_seed, 0)
     guard = check_spike_guard(name, precision, spike_guard, bool(skip_nonfinite))
+    fp8 = check_fp8_options(
+        name,
+        precision,
+        recipe=fp8_recipe,
+        modules=fp8_modules,
+        check_interval=fp8_check_interval,
+        fallback=fp8_fallback,
+        skip_nonfinite=bool(skip_nonfinite),
+    )
     return Settings(
         precision,
         checked_device,
@@ -185,6 +211,7 @@ def checked_settings(
         method,
         seed,
         guard,
+        *((fp8.recipe, fp8.modules, fp8.check_interval, fp8.fallback) if fp8 is not None else ()),
     )
 
 
@@ -238,9 +265,12 @@ def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngin
 def _checked_scaler(settings: Settings, scaler: object, where: str) -> DynamicLossScaler:
     """The fp16 scaler: the given one (checked against the skip limit), or a default one for ``None``."""
     if settings.precision != "16-mixed":
-        raise ValueError(
-            f"{where}: bf16 has fp32's range and needs no loss scaling. Drop `scaler`, or use precision='16-mixed'."
+        why = (
+            "fp8-mixed scales each FP8 cast by its own amax and runs the rest under bf16 autocast, which needs"
+            if settings.precision == FP8
+            else "bf16 has fp32's range and needs"
         )
+        raise ValueError(f"{where}: {why} no loss scaling. Drop `scaler`, or use precision='16-mixed'.")
     limit = settings.max_consecutive_skips
     if scaler is None:
         return DynamicLossScaler(max_consecutive_skips=limit)
@@ -262,7 +292,8 @@ def check_precision(name: str, precision: object) -> None:
     """Refuse a precision other than the two mixed ones and bf16-true, naming the plugin."""
     if precision not in PRECISIONS:
         raise ValueError(
-            f"`{name}(precision={precision!r})` is not supported: use '16-mixed', 'bf16-mixed' or 'bf16-true'."
+            f"`{name}(precision={precision!r})` is not supported: use '16-mixed', 'bf16-mixed', 'bf16-true' or "
+            "'fp8-mixed'."
         )
 
 
@@ -270,7 +301,9 @@ def check_fsdp_precision(name: str, precision: object, framework: str) -> None:
     """Refuse a precision other than the two mixed ones for an FSDP plugin, naming the framework's own way to it.
 
     bf16-true under FSDP1 is FSDP's own bf16 shards: the compensated update is not defined on its flat parameters.
+    FP8 training under FSDP is torchao's, on FSDP2 only.
     """
+    refuse_fsdp1(name, precision, framework)
     if precision not in ("16-mixed", "bf16-mixed"):
         raise ValueError(
             f"`{name}(precision={precision!r})` is not supported: use '16-mixed' or 'bf16-mixed' (for '32-true', "
@@ -316,7 +349,9 @@ def check_device(name: str, device: object) -> str | None:
 
 
 def check_device_supports(name: str, device: str, precision: str, warn: bool = True) -> None:
-    """Refuse bf16 on a GPU without it; warn about fp16 autocast on CPU (correct, but slow) when ``warn``.
+    """Refuse bf16 on a GPU without it, FP8 where no float8 GEMM runs; warn about fp16 and FP8 on CPU when ``warn``.
+
+    (Correct on CPU, but slow; FP8 is refused below CUDA compute capability 8.9: :func:`~.fp8.check_fp8_device`.)
 
     A plugin warns once (``warn=False`` after its first check): Python's own once-per-place rule is reset whenever a
     ``warnings.catch_warnings()`` block runs, as a replay's does, so fit's and validate's checks would both warn.
@@ -326,6 +361,8 @@ def check_device_supports(name: str, device: str, precision: str, warn: bool = T
             f"`{name}(precision={precision!r})`: this GPU ({torch.cuda.get_device_name()}) does not support bfloat16. "
             "Use precision='16-mixed'."
         )
+    if precision == FP8:
+        check_fp8_device(name, device, warn)
     if warn and device == "cpu" and precision == "16-mixed":
         rank_zero_warn(
             f"{name}('16-mixed') on CPU: fp16 autocast is correct there but slow (many times slower than fp32 on most "

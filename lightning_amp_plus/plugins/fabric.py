@@ -20,8 +20,10 @@ here says how it meets it:
   are the same sequence of scales.
 
 State owned here: the options, the autocast device, the modules set up (weak references), the hooks keeping
-``keep_fp32`` modules in FP32, whether the ranks are set up, the optimizers stepped since the scale last moved, and a
-zero-gradient stand-in per device (:meth:`main_params`). The engine owns the rest.
+``keep_fp32`` modules in FP32, whether the ranks are set up, the optimizers stepped since the scale last moved, a
+zero-gradient stand-in per device (:meth:`main_params`), and under ``"fp8-mixed"`` the FP8 training (``fp8``: the
+layers converted at ``fabric.setup``, the readings armed at a check step's first training forward, read after its
+``optimizer.step()``; :mod:`~lightning_amp_plus.plugins.fp8`). The engine owns the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_amp_plus.plugins import fp8 as _fp8
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
@@ -55,6 +58,9 @@ from lightning_amp_plus.plugins.ranks import refuse_sharded_master_weights, set_
 from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.step.spikes import SpikeGuard
+from lightning_amp_plus.weights.fp8 import FP8Training
+from lightning_amp_plus.weights.fp8.convert import Float8Config, Modules, Recipe
+from lightning_amp_plus.weights.fp8.training import DEFAULT_CHECK_INTERVAL, DEFAULT_FALLBACK, DEFAULT_RECIPE
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import refuse_half_masters, widen_model_
 
@@ -66,8 +72,10 @@ class MixedPrecisionPlugin(Readings, Precision):
 
     ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
     under bf16 autocast; ``"bf16-true"`` holds the model in bf16 and steps it with compensated updates (as the
-    Trainer's plugin; its ``compensation`` and ``rounding_seed``). Compensators are made at each optimizer's first
-    step (Fabric shows the plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
+    Trainer's plugin; its ``compensation`` and ``rounding_seed``); ``"fp8-mixed"`` is ``"bf16-mixed"`` with the
+    eligible ``nn.Linear`` layers converted in place to torchao's FP8 training layers at ``fabric.setup`` (the
+    ``fp8_*`` options, as the Trainer's plugin). Compensators are made at each optimizer's first step (Fabric shows the
+    plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
 
     An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted,
     in every precision, with fused optimizers too, and whether or not you clip (``fabric.clip_gradients`` then returns
@@ -78,7 +86,7 @@ class MixedPrecisionPlugin(Readings, Precision):
     optimizer step). Inputs and outputs are converted as Fabric's plugin converts them.
 
     Args:
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"fp8-mixed"`` (needs torchao).
         device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the one the model is on
             after ``fabric.setup`` (read at its first forward).
         scaler: the loss scaler for ``"16-mixed"`` (a default one if ``None``); not for bf16.
@@ -91,6 +99,13 @@ class MixedPrecisionPlugin(Readings, Precision):
         rounding_seed: the seed of stochastic rounding's random stream (the same on every rank).
         spike_guard: a :class:`~lightning_amp_plus.SpikeGuard`: skip or clip a step whose finite gradient norm is a
             spike (see the Trainer plugin); saved with the plugin's state. ``None``: no guard.
+        fp8_recipe: with ``"fp8-mixed"``: ``"tensorwise"`` (default), ``"rowwise"``, ``"rowwise_with_gw_hp"`` or a
+            torchao ``Float8LinearConfig`` (see the Trainer plugin).
+        fp8_modules: with ``"fp8-mixed"``: ``None`` (every eligible Linear), ``"auto"`` or a callable
+            ``(module, name) -> bool`` (names as ``named_modules()`` of the module given to ``fabric.setup``).
+        fp8_check_interval: with ``"fp8-mixed"``: read the FP8 casts every this many optimizer steps.
+        fp8_fallback: with ``"fp8-mixed"``: the percent flushed at two readings in a row above which a layer goes
+            back to bf16 (``None``: warn only). Put the plugin in ``fabric.save``'s state to keep it across a resume.
 
     Attributes:
         scaler: the loss scaler (``None`` for bf16); after ``optimizer.step()`` its ``get_scale()`` is the scale that
@@ -102,6 +117,8 @@ class MixedPrecisionPlugin(Readings, Precision):
         recent_steps: the last optimizer steps' results, newest last (``recent_steps[-1].skipped``, ``.grad_norm``,
             ``.scale``, ``.overflow_params``).
         skipped_steps: the optimizer steps skipped since the start.
+        fp8: under ``"fp8-mixed"``, the :class:`~lightning_amp_plus.weights.fp8.FP8Training` of the run (``layers``,
+            ``fallen_back``, ``checks``, ``nonfinite_layers()``); ``None`` otherwise.
 
     Examples:
         >>> import lightning as L
@@ -115,7 +132,7 @@ class MixedPrecisionPlugin(Readings, Precision):
 
     def __init__(
         self,
-        precision: Literal["16-mixed", "bf16-mixed", "bf16-true"] = "16-mixed",
+        precision: Literal["16-mixed", "bf16-mixed", "bf16-true", "fp8-mixed"] = "16-mixed",
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
         *,
@@ -126,6 +143,10 @@ class MixedPrecisionPlugin(Readings, Precision):
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
         spike_guard: SpikeGuard | None = None,
+        fp8_recipe: Recipe | Float8Config = DEFAULT_RECIPE,
+        fp8_modules: Modules = None,
+        fp8_check_interval: int = DEFAULT_CHECK_INTERVAL,
+        fp8_fallback: float | None = DEFAULT_FALLBACK,
     ) -> None:
         self.settings = checked_settings(
             self._name(),
@@ -138,10 +159,17 @@ class MixedPrecisionPlugin(Readings, Precision):
             compensation=compensation,
             rounding_seed=rounding_seed,
             spike_guard=spike_guard,
+            fp8_recipe=fp8_recipe,
+            fp8_modules=fp8_modules,
+            fp8_check_interval=fp8_check_interval,
+            fp8_fallback=fp8_fallback,
         )
-        self.precision = precision
+        self.precision = precision  # type: ignore[assignment]  # "fp8-mixed" is ours
         self.device = self.settings.device
         self.engine, self._scaler = engine_for(self._name(), self.settings, scaler)
+        self.fp8: FP8Training | None = _fp8.fp8_for(self._name(), self.settings)
+        if self.fp8 is not None and self.device is not None:
+            check_device_supports(self._name(), self.device, precision)  # no float8 GEMM here: refused before setup
         self._desired_input_dtype = half_dtype(precision)
         self._modules: list[weakref.ref[nn.Module]] = []
         self._fp32_hooks: list[RemovableHandle] = []
@@ -168,6 +196,9 @@ class MixedPrecisionPlugin(Readings, Precision):
             # FP32 masters (parameters and the buffers they compute with), before Fabric moves and wraps the model:
             # `fabric.setup` is the first hook, and the model comes back from it FP32, before user code can copy it.
             widen_model_(module)
+        if self.fp8 is not None:
+            # Before Fabric shards it (ModelParallelStrategy's parallelize_fn runs after this hook), as torchao needs.
+            _fp8.convert_for(self._name(), self.fp8, module)
         # Fabric converts before it moves the module to its device and wraps it (DDP, FSDP): the device and the
         # parameters' names are read from the module later, once it is where it will train.
         self._modules.append(weakref.ref(module))
@@ -182,6 +213,8 @@ class MixedPrecisionPlugin(Readings, Precision):
             if found is None or found == "meta":
                 return default_device()  # nothing set up yet (`fabric.autocast()` before `fabric.setup`)
             self.device = found
+            if self.fp8 is not None:  # before the first FP8 GEMM runs there
+                check_device_supports(self._name(), found, self.precision)
             for module in self._live_modules():
                 self._fp32_hooks.extend(compute_in_fp32(module, self.settings.keep_fp32, found))
         return self.device
@@ -206,7 +239,8 @@ class MixedPrecisionPlugin(Readings, Precision):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if self.device is None and not self._live_modules() and params:
             self.device = params[0].device.type  # no module was set up with Fabric: the optimizer's parameters
-        check_device_supports(self._name(), self._autocast_device(), self.precision)
+        # fp8-mixed was checked (and warned about) when the device became known, before its first forward.
+        check_device_supports(self._name(), self._autocast_device(), self.precision, warn=self.fp8 is None)
         # The names as the user's model gives them, read now that Fabric has wrapped it (FSDP replaces parameters).
         self.engine.name_parameters([pair for module in self._live_modules() for pair in user_names(module)])
         set_up_ranks(self.engine, params)
@@ -214,7 +248,11 @@ class MixedPrecisionPlugin(Readings, Precision):
     # ---------------------------------------------------------------------------------------------- autocast
     @override
     def forward_context(self) -> AbstractContextManager[Any]:
-        return nullcontext() if self._suspended else self.precision_context()
+        if self._suspended:
+            return nullcontext()
+        if self.fp8 is not None and torch.is_grad_enabled():
+            self.fp8.before_forward()  # a training forward: a check step's readings start with its first
+        return self.precision_context()
 
     def precision_context(self) -> AbstractContextManager[Any]:
         """The precision's forward context: autocast (``*-mixed``) or bf16 default tensors (``bf16-true``)."""
@@ -300,6 +338,8 @@ class MixedPrecisionPlugin(Readings, Precision):
         self._refuse_half_masters(optimizer)
         self._begin_pass(optimizer)
         output = self.engine.step(optimizer, **kwargs)
+        if self.fp8 is not None:
+            _fp8.after_step(self.fp8, self.engine.result(optimizer))
         self._stepped.add(id(optimizer))  # the scale moves at the next backward, after every optimizer has stepped
         return output
 
@@ -322,11 +362,11 @@ class MixedPrecisionPlugin(Readings, Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         self._end_iteration()  # the scale's move the next backward would make, made now, so that it is saved
-        return _plugin_state.save_state(self.engine, self.settings)
+        return _plugin_state.save_state(self.engine, self.settings, self.fp8)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=self.settings)
+        _plugin_state.load_state(state_dict, self.engine, owner=self._name(), settings=self.settings, fp8=self.fp8)
 
     def __getstate__(self) -> dict[str, Any]:
         # Modules and their hooks belong to this process (Fabric pickles the plugin to start ddp_spawn's workers);

@@ -1,9 +1,10 @@
 """The precision plugins' checkpoint state: what is saved, and the checks made when it is loaded back.
 
 One format for every front end (the Trainer's and Fabric's plugins): ``{"format", "precision", "master_weights",
-"held_scheduler_steps", "scaler", ...}`` (``"compensation"`` and ``"spike_guard"`` hold a state per optimizer), in
-plain Python values and tensors (Lightning loads checkpoints with ``weights_only=True``). A ``torch.amp.GradScaler``
-state (Lightning's own plugin, or a plain loop migrating) is read too. Every refusal names the key and the way out.
+"held_scheduler_steps", "scaler", ...}`` (``"compensation"`` and ``"spike_guard"`` hold a state per optimizer;
+``"fp8"``, under ``"fp8-mixed"``, the FP8 layers fallen back), in plain Python values and tensors (Lightning loads
+checkpoints with ``weights_only=True``). A ``torch.amp.GradScaler`` state (Lightning's own plugin, or a plain loop
+migrating) is read too. Every refusal names the key and the way out.
 """
 
 from __future__ import annotations
@@ -15,14 +16,19 @@ from lightning.fabric.utilities import rank_zero_warn
 from lightning_amp_plus._checks import COUNTER_MAX
 from lightning_amp_plus.plugins.core import Settings
 from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.weights.fp8.training import FP8Training
 
 __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
 
 FORMAT = "lightning_amp_plus/1"
 
 
-def save_state(engine: StepEngine, settings: Settings) -> dict[str, Any]:
-    """The plugin's state: ``{}`` when nothing is checked nor compensated (nothing to restore)."""
+def save_state(engine: StepEngine, settings: Settings, fp8: FP8Training | None = None) -> dict[str, Any]:
+    """The plugin's state: ``{}`` when nothing is checked nor compensated (nothing to restore).
+
+    With ``"fp8-mixed"``, ``"fp8"`` holds the FP8 training's state: the layers fallen back and the fallback rule's
+    counts (:meth:`~lightning_amp_plus.weights.fp8.FP8Training.state_dict`).
+    """
     if not engine.check and settings.compensation is None:
         return {}
     state = {
@@ -33,6 +39,8 @@ def save_state(engine: StepEngine, settings: Settings) -> dict[str, Any]:
     }
     if settings.compensation is not None:
         state["compensation_method"] = settings.compensation
+    if fp8 is not None:
+        state["fp8"] = fp8.state_dict()
     return state
 
 
@@ -41,14 +49,17 @@ def is_grad_scaler_state(state: dict[str, Any]) -> bool:
     return "format" not in state and "scale" in state
 
 
-def load_state(state: object, engine: StepEngine, *, owner: str, settings: Settings) -> dict[str, Any]:
-    """Check a saved plugin state against this run's ``settings`` and load it into ``engine``.
+def load_state(
+    state: object, engine: StepEngine, *, owner: str, settings: Settings, fp8: FP8Training | None = None
+) -> dict[str, Any]:
+    """Check a saved plugin state against this run's ``settings`` and load it into ``engine`` (and ``fp8``).
 
     Args:
         state: what the checkpoint holds under the plugin's key.
         engine: the engine to restore.
         owner: the plugin's class name (its checkpoint key), for the messages.
         settings: this run's settings; the precision, master weights and compensation must equal the saved ones.
+        fp8: the plugin's FP8 training (``"fp8-mixed"``): the layers the saved run fell back fall back now.
 
     Returns:
         The state, checked (for the plugin's own extra keys).
@@ -78,7 +89,15 @@ def load_state(state: object, engine: StepEngine, *, owner: str, settings: Setti
             f"The checkpoint's {owner} state holds spike_guard={type(guard).__name__}; expected a list (one state per "
             f"optimizer). Remove checkpoint['{owner}']['spike_guard'] to start the guard's statistics afresh."
         )
+    saved_fp8 = state.get("fp8")
+    if saved_fp8 is not None and not isinstance(saved_fp8, dict):
+        raise TypeError(
+            f"The checkpoint's {owner} state holds fp8={type(saved_fp8).__name__}; expected a dict (the FP8 layers "
+            f"fallen back). Remove checkpoint['{owner}']['fp8'] to start with every layer in FP8."
+        )
     engine.load_state_dict(state["scaler"], held, compensation, guard)
+    if saved_fp8 is not None and fp8 is not None:
+        fp8.load_state_dict(saved_fp8)
     return state
 
 

@@ -7,8 +7,8 @@ step or skip, update). Following one optimizer step: :meth:`MixedPrecisionPlugin
 ``step/grads.py`` and the loss scale of ``step/policy.py``; ``docs/design.md`` shows the trace.
 
 State owned here: the settings, the autocast device, whether a hook reads gradients before the step, the hooks that
-keep ``keep_fp32`` modules in FP32, and whether the batch's scale update is due (manual optimization). The engine owns
-the rest.
+keep ``keep_fp32`` modules in FP32, whether the batch's scale update is due (manual optimization), and under
+``"fp8-mixed"`` the FP8 training (``fp8``, :mod:`~lightning_amp_plus.plugins.fp8`). The engine owns the rest.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch.optim import LBFGS, Optimizer
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lightning_amp_plus.plugins import fp8 as _fp8
 from lightning_amp_plus.plugins import state as _plugin_state
 from lightning_amp_plus.plugins.core import (
     DEFAULT_SKIPS,
@@ -47,6 +48,9 @@ from lightning_amp_plus.plugins.wrappers import unwrapped, user_names
 from lightning_amp_plus.step.engine import StepEngine
 from lightning_amp_plus.step.scaler import DynamicLossScaler
 from lightning_amp_plus.step.spikes import SpikeGuard
+from lightning_amp_plus.weights.fp8 import FP8Training
+from lightning_amp_plus.weights.fp8.convert import Float8Config, Modules, Recipe
+from lightning_amp_plus.weights.fp8.training import DEFAULT_CHECK_INTERVAL, DEFAULT_FALLBACK, DEFAULT_RECIPE
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
 from lightning_amp_plus.weights.master import refuse_half_copies, refuse_half_masters, widen_model_
 
@@ -62,8 +66,10 @@ class MixedPrecisionPlugin(Readings, Precision):
     ``"16-mixed"`` runs forward under fp16 autocast and scales the loss with a :class:`DynamicLossScaler`;
     ``"bf16-mixed"`` runs under bf16 autocast without scaling; ``"bf16-true"`` holds the model in bf16 (the memory of
     Lightning's ``bf16-true``) and steps it with compensated updates (``compensation``), so updates too small for a
-    bf16 weight are not lost. In all three, an optimizer step whose gradients hold inf/NaN is skipped: parameters and
-    optimizer state stay untouched and, by default, so do the LR schedulers of that optimizer.
+    bf16 weight are not lost; ``"fp8-mixed"`` is ``"bf16-mixed"`` with the eligible ``nn.Linear`` layers converted in
+    place to torchao's FP8 training layers at set-up (``fp8_*`` options; the documentation's "FP8 training" page). In
+    all of them, an optimizer step whose gradients hold inf/NaN is skipped: parameters and optimizer state stay
+    untouched and, by default, so do the LR schedulers of that optimizer.
 
     Each optimizer step reads as the recipe: the closure runs (forward under autocast, backward of the scaled loss);
     the gradients are unscaled exactly once, checked and measured in one pass; ``on_before_optimizer_step`` hooks and
@@ -72,7 +78,8 @@ class MixedPrecisionPlugin(Readings, Precision):
     under manual optimization.
 
     Args:
-        precision: ``"16-mixed"``, ``"bf16-mixed"`` or ``"bf16-true"``.
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"fp8-mixed"`` (needs torchao:
+            ``pip install "lightning-amp-plus[fp8]"``; CUDA from compute capability 8.9, or CPU, emulated).
         device: the autocast device type (``"cuda"``, ``"cpu"``, ``"mps"``); ``None`` takes the model's device at setup.
         scaler: the loss scaler for ``"16-mixed"`` (a default :class:`DynamicLossScaler` if ``None``); not for bf16.
         skip_nonfinite: with ``"bf16-mixed"``, skip steps whose gradients are non-finite (on by default). fp16 always
@@ -100,6 +107,15 @@ class MixedPrecisionPlugin(Readings, Precision):
             yours, by its ``action``. One guard per optimizer (the first is the one given); saved in checkpoints.
             Fused optimizers then take the unscale path (the norm is read on the host). Refused with
             ``skip_nonfinite=False`` (nothing measures the norm). See the documentation's "Spike guard" page.
+        fp8_recipe: with ``"fp8-mixed"``, torchao's recipe: ``"tensorwise"`` (default), ``"rowwise"``,
+            ``"rowwise_with_gw_hp"``, or a ``Float8LinearConfig``.
+        fp8_modules: with ``"fp8-mixed"``, which eligible layers (exactly ``nn.Linear``, both weight dimensions
+            divisible by 16) train in FP8: ``None`` (all), ``"auto"`` (torchao's speed filter) or a callable
+            ``(module, name) -> bool`` (names as the LightningModule's ``named_modules()``).
+        fp8_check_interval: with ``"fp8-mixed"``, read every FP8 cast's flushed and subnormal shares every this many
+            optimizer steps (``plugin.fp8.checks``; the monitor shows them).
+        fp8_fallback: with ``"fp8-mixed"``, a layer whose casts flush more than this percent at two readings in a
+            row computes in bf16 from then on (a warning names it; the checkpoint records it); ``None``: warn only.
 
     Attributes:
         settings: the options above, checked (:class:`~lightning_amp_plus.plugins.core.Settings`).
@@ -109,6 +125,9 @@ class MixedPrecisionPlugin(Readings, Precision):
         engine: the :class:`~lightning_amp_plus.step.engine.StepEngine` doing the step's numerics.
         recent_steps: the last optimizer steps' results, newest last (up to 1024 kept).
         skipped_steps: the optimizer steps skipped since the start.
+        fp8: under ``"fp8-mixed"``, the :class:`~lightning_amp_plus.weights.fp8.FP8Training` of the run (its
+            ``layers``, ``fallen_back``, ``checks`` and ``nonfinite_layers()``: the FP8 layers whose casts met the
+            NaN or inf of the last skipped step, the origin first); ``None`` otherwise.
 
     Examples:
         >>> from lightning import Trainer
@@ -122,7 +141,7 @@ class MixedPrecisionPlugin(Readings, Precision):
 
     def __init__(
         self,
-        precision: Literal["16-mixed", "bf16-mixed", "bf16-true"] = "16-mixed",
+        precision: Literal["16-mixed", "bf16-mixed", "bf16-true", "fp8-mixed"] = "16-mixed",
         device: str | None = None,
         scaler: DynamicLossScaler | None = None,
         *,
@@ -134,6 +153,10 @@ class MixedPrecisionPlugin(Readings, Precision):
         compensation: Literal["auto", "kahan", "stochastic"] | None = "auto",
         rounding_seed: int = 0,
         spike_guard: SpikeGuard | None = None,
+        fp8_recipe: Recipe | Float8Config = DEFAULT_RECIPE,
+        fp8_modules: Modules = None,
+        fp8_check_interval: int = DEFAULT_CHECK_INTERVAL,
+        fp8_fallback: float | None = DEFAULT_FALLBACK,
     ) -> None:
         name = type(self).__name__
         self.settings = checked_settings(
@@ -148,10 +171,15 @@ class MixedPrecisionPlugin(Readings, Precision):
             compensation=compensation,
             rounding_seed=rounding_seed,
             spike_guard=spike_guard,
+            fp8_recipe=fp8_recipe,
+            fp8_modules=fp8_modules,
+            fp8_check_interval=fp8_check_interval,
+            fp8_fallback=fp8_fallback,
         )
-        self.precision = precision
+        self.precision = precision  # type: ignore[assignment]  # "fp8-mixed" is ours: trainer.precision reports it
         self.device = self.settings.device
         self.engine, self._scaler = engine_for(name, self.settings, scaler)
+        self.fp8: FP8Training | None = _fp8.fp8_for(name, self.settings)
         self._half_weights = precision == "bf16-true"
         self._half_dtype = half_dtype(precision)
         self._hooks_read_gradients = True
@@ -179,6 +207,10 @@ class MixedPrecisionPlugin(Readings, Precision):
             refuse_sharded_master_weights(type(self).__name__, module)
             # The masters are FP32: a model built in a half dtype is widened now, before DDP wraps it.
             widen_for_fit_(type(self).__name__, module)
+        if self.fp8 is not None:
+            # Before the optimizers are made (Lightning calls configure_optimizers after this hook); a model converted
+            # already (validate or test after fit, a second fit) gains nothing.
+            _fp8.convert_for(type(self).__name__, self.fp8, unwrapped(module))
         return module
 
     @override
@@ -277,6 +309,8 @@ class MixedPrecisionPlugin(Readings, Precision):
     @override
     @contextmanager
     def train_step_context(self) -> Generator[None, None, None]:
+        if self.fp8 is not None:
+            self.fp8.before_forward()  # a check step's readings start with its first micro-batch
         with self.forward_context():
             yield
         if self._update_pending:
@@ -318,6 +352,8 @@ class MixedPrecisionPlugin(Readings, Precision):
             self.engine.prepare(optimizer)
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         output = self.engine.step(optimizer, **kwargs)
+        if self.fp8 is not None:
+            _fp8.after_step(self.fp8, self.engine.result(optimizer))
         if model.automatic_optimization:
             self.engine.end_batch()
         else:
@@ -350,11 +386,13 @@ class MixedPrecisionPlugin(Readings, Precision):
     @override
     def state_dict(self) -> dict[str, Any]:
         # The weights themselves are in checkpoint["state_dict"]: the model holds them (FP32, or bf16 for bf16-true).
-        return _plugin_state.save_state(self.engine, self.settings)
+        return _plugin_state.save_state(self.engine, self.settings, self.fp8)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _plugin_state.load_state(state_dict, self.engine, owner=self._checkpoint_key, settings=self.settings)
+        _plugin_state.load_state(
+            state_dict, self.engine, owner=self._checkpoint_key, settings=self.settings, fp8=self.fp8
+        )
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

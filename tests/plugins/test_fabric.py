@@ -656,7 +656,7 @@ def test_optimizer_step_hands_its_arguments_to_the_optimizer_and_moves_the_scale
 
 def test_fabrics_precision_aliases_are_refused_naming_the_precisions_this_plugin_takes() -> None:
     for given in ("16", 16, "bf16", "32-true"):
-        with pytest.raises(ValueError, match=re.escape("use '16-mixed', 'bf16-mixed' or 'bf16-true'")):
+        with pytest.raises(ValueError, match=re.escape("use '16-mixed', 'bf16-mixed', 'bf16-true' or 'fp8-mixed'")):
             MixedPrecisionPlugin(given)  # type: ignore[arg-type]
 
 

@@ -14,6 +14,7 @@ counts the step, where Fabric's built-in raises in ``clip_gradients`` (fp16) or 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -21,7 +22,7 @@ import pytest
 import torch
 from fabric_loops import GROWTH_INTERVAL, START_SCALE, UnscalesBeforeFusedSteps, fabrics, ours
 from lightning.fabric.plugins.precision import Precision
-from torch import Tensor
+from torch import Tensor, nn
 
 litgpt = pytest.importorskip("litgpt")
 from litgpt.pretrain import get_lr  # noqa: E402
@@ -48,13 +49,17 @@ def pretrain(
     fault: float = math.inf,
     fused: bool = False,
     steps: int = STEPS,
+    prepare: Callable[[nn.Module], Any] | None = None,
     **clip: Any,
 ) -> tuple[list[float], list[list[Tensor]]]:
     """litgpt's ``fit`` loop for ``STEPS`` optimizer steps; returns what ``clip_gradients`` returned at each step
-    and the parameters after each step."""
+    and the parameters after each step. ``prepare`` is applied to the model before ``fabric.setup``."""
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
-    model = fabric.setup(litgpt.GPT(litgpt.Config(**CONFIG)))
+    gpt = litgpt.GPT(litgpt.Config(**CONFIG))
+    if prepare is not None:
+        prepare(gpt)
+    model = fabric.setup(gpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
     optimizer = fabric.setup_optimizers(optimizer)
     after: list[list[Tensor]] = []

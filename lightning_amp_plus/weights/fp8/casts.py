@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["Cast", "cast_counts", "operand_2d", "recipe_casts", "recipe_config"]
+__all__ = ["Cast", "all_gathers_in_fp8", "cast_counts", "operand_2d", "recipe_casts", "recipe_config", "recipe_name"]
 
 Operand = Literal["input", "weight", "grad_output"]
 
@@ -60,11 +60,32 @@ class Cast:
     power_of_2: bool
 
 
-def recipe_config(recipe: str) -> Any:
-    """The ``Float8LinearConfig`` of a recipe, as torchao's ``from_recipe_name`` makes it."""
+def recipe_config(recipe: Any) -> Any:
+    """The ``Float8LinearConfig`` of a recipe, as torchao's ``from_recipe_name`` makes it (a config is itself)."""
     from torchao.float8 import Float8LinearConfig
 
-    return Float8LinearConfig.from_recipe_name(recipe)
+    return recipe if isinstance(recipe, Float8LinearConfig) else Float8LinearConfig.from_recipe_name(recipe)
+
+
+def recipe_name(recipe: Any) -> str:
+    """The recipe a name or a ``Float8LinearConfig`` follows: ``"tensorwise"``, or ``"rowwise"`` for axiswise scales.
+
+    What torchao's speed filter is chosen by (``fp8_modules="auto"``); a config's own casts are read from it.
+    """
+    if isinstance(recipe, str):
+        return recipe
+    from torchao.float8.config import ScalingGranularity
+
+    rowwise = recipe.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+    return "rowwise" if rowwise else "tensorwise"
+
+
+def all_gathers_in_fp8(recipe: Any) -> bool:
+    """Whether a config all-gathers the weights in float8 under FSDP2 (``enable_fsdp_float8_all_gather``).
+
+    A recipe name never does.
+    """
+    return not isinstance(recipe, str) and bool(getattr(recipe, "enable_fsdp_float8_all_gather", False))
 
 
 def recipe_casts(config: Any) -> tuple[Cast, ...]:

@@ -25,16 +25,17 @@ optimizer's state for them carries on.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_amp_plus.weights.fp8.layer import LayerGuard
 from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
 
 __all__ = [
     "RECIPES",
+    "Float8Config",
     "ModuleFilter",
     "Modules",
     "Recipe",
@@ -43,10 +44,12 @@ __all__ = [
     "eligible",
     "fall_back",
     "guard_of",
-    "warn_if_none",
+    "warn_what_stays_in_bf16",
 ]
 
 Recipe = Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"]
+Float8Config = Any
+"""torchao's ``Float8LinearConfig`` (torchao is imported only when a model is converted)."""
 RECIPES: tuple[Recipe, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 ModuleFilter = Callable[[nn.Module, str], bool]
 Modules = ModuleFilter | Literal["auto"] | None
@@ -70,7 +73,7 @@ def eligible(module: nn.Module, name: str = "") -> bool:
 
 def convert_in_place(
     model: nn.Module,
-    recipe: Recipe,
+    recipe: Recipe | Float8Config,
     modules: Modules = None,
     skip: Collection[str] = (),
     log: NonfiniteLog | None = None,
@@ -80,7 +83,8 @@ def convert_in_place(
     Args:
         model: the model (its submodules are converted; a bare ``nn.Linear`` cannot be replaced in place: wrap it).
         recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
-            (``Float8LinearConfig.from_recipe_name(recipe)``).
+            (``Float8LinearConfig.from_recipe_name(recipe)``), or a ``Float8LinearConfig`` of one's own (e.g.
+            ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: tensorwise, weights all-gathered in FP8).
         modules: ``None``, ``"auto"`` or a callable ``(module, name) -> bool`` (see the module's docstring).
         skip: names never to convert (the layers fallen back).
         log: where the converted layers report non-finite values, or ``None``.
@@ -93,7 +97,7 @@ def convert_in_place(
     """
     from torchao.float8 import convert_to_float8_training
 
-    from lightning_amp_plus.weights.fp8.casts import recipe_config
+    from lightning_amp_plus.weights.fp8.casts import recipe_config, recipe_name
 
     if eligible(model):
         raise ValueError(
@@ -101,7 +105,7 @@ def convert_in_place(
             "e.g. nn.Sequential(linear)."
         )
     config = recipe_config(recipe)
-    chosen = _chooser(recipe, modules, skip)
+    chosen = _chooser(recipe_name(recipe), modules, skip)
     picked: dict[str, nn.Linear] = {}
 
     def accept(module: nn.Module, name: str) -> bool:
@@ -148,7 +152,7 @@ def guard_of(layer: nn.Module) -> LayerGuard | None:
     return guard if isinstance(guard, LayerGuard) else None
 
 
-def _chooser(recipe: Recipe, modules: Modules, skip: Collection[str]) -> ModuleFilter:
+def _chooser(recipe: str, modules: Modules, skip: Collection[str]) -> ModuleFilter:
     user: ModuleFilter | None = None
     if modules == "auto":
         from torchao.float8 import _auto_filter_for_recipe
@@ -190,9 +194,27 @@ def _has_high_precision_gemm(config: Any) -> bool:
     return any(cast.scaling_type is ScalingType.DISABLED for cast in casts)
 
 
-def warn_if_none(converted_now: Collection[str], converted_before: int, model: nn.Module, modules: Modules) -> None:
-    """Say when a conversion left the model without any FP8 layer, and why."""
-    if converted_now or converted_before:
+def warn_what_stays_in_bf16(
+    converted_now: Collection[str], converted_before: int, model: nn.Module, modules: Modules
+) -> None:
+    """At a model's first conversion, say what stays in bf16: everything (and why), or its other matrix layers.
+
+    A model whose matrix multiplies live in other module types (transformers' GPT-2 computes its attention and MLP in
+    ``Conv1D``, ``nn.MultiheadAttention`` its output projection in a subclass of ``nn.Linear``) trains those in bf16;
+    a run that says "fp8-mixed" names them rather than let it pass for FP8.
+    """
+    if converted_before:
+        return
+    others = _other_matrix_layers(model)
+    if converted_now:
+        if others:
+            warnings.warn(
+                f"{len(converted_now)} layer(s) of the model train in FP8 ({_some(list(converted_now))}); "
+                f"{_count(others)} with a weight matrix are not exactly nn.Linear and compute in bf16: "
+                f"{_by_type(others)} (torchao converts nn.Linear layers only).",
+                UserWarning,
+                stacklevel=3,
+            )
         return
     linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     fit = [name for name, module in model.named_modules() if eligible(module, name)]
@@ -208,4 +230,36 @@ def warn_if_none(converted_now: Collection[str], converted_before: int, model: n
             f"none of its {len(linears)} nn.Linear layers is eligible (exactly nn.Linear, both weight dimensions "
             "divisible by 16)."
         )
+    if others:
+        reason += f" Its {_count(others)} with a weight matrix that are not exactly nn.Linear never convert: "
+        reason += f"{_by_type(others)}."
     warnings.warn(f"No layer of the model trains in FP8: {reason}", UserWarning, stacklevel=3)
+
+
+def _other_matrix_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules with a 2-D ``weight`` of their own that are neither exactly ``nn.Linear`` nor an embedding."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is not nn.Linear
+        and not isinstance(module, (Float8Linear, nn.Embedding, nn.EmbeddingBag))
+        and isinstance(module._parameters.get("weight"), Tensor)
+        and module._parameters["weight"].ndim == 2
+    }
+
+
+def _count(layers: Mapping[str, nn.Module]) -> str:
+    return f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+
+
+def _by_type(layers: Mapping[str, nn.Module]) -> str:
+    kinds: dict[str, list[str]] = {}
+    for name, module in layers.items():
+        kinds.setdefault(type(module).__name__, []).append(name)
+    return "; ".join(f"{len(names)} {kind} ({_some(names)})" for kind, names in kinds.items())

@@ -11,6 +11,7 @@ exactly when the input casts met a non-finite value (the weight, never non-finit
 gradients are skipped, is checked when the flags are read). The backward reads the whole output gradient. Each is one
 ``aminmax`` and two in-place adds into a 0-d FP32 flag (NaN once anything non-finite was seen), per layer and pass: no
 host sync, a bounded amount of memory. :meth:`NonfiniteLog.read` reads every flag at once (one sync);
+:meth:`NonfiniteLog.snapshot` keeps them on the device to be read later (after the step's skip is known);
 :meth:`NonfiniteLog.reset` zeroes them in one call. Gradient accumulation ORs the micro-batches of a step together.
 
 Examples:
@@ -25,10 +26,12 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
+
+from lightning_amp_plus.step.sharding import local_view
 
 __all__ = ["NonfiniteLog"]
 
@@ -73,6 +76,19 @@ class NonfiniteLog:
         Those with a non-finite input (or, if given, weight) in forward order, then those with a non-finite output
         gradient in backward order.
         """
+        return self.snapshot(weights)()
+
+    def snapshot(
+        self, weights: Mapping[str, Tensor] | None = None, reduce: Callable[[Tensor], Tensor] | None = None
+    ) -> Callable[[], list[str]]:
+        """The flags as they are now, kept on the device (no host sync): a function that names the layers (one sync).
+
+        Args:
+            weights: the layers' weights, checked too (a non-finite weight names its layer in forward order).
+            reduce: applied on the device to the flags (1.0 where a layer met a non-finite value), e.g. a SUM
+                all-reduce across data-parallel ranks: the layers any rank's casts met are named on every rank. Every
+                rank must then take a snapshot at the same points, with the same layers run.
+        """
         weights = weights or {}
         forward = [*self._order, *(name for name in weights if name not in self._forward)]
         markers: list[Tensor] = []
@@ -87,18 +103,26 @@ class NonfiniteLog:
         backward += [name for name in self._backward if name not in self._forward]
         markers += [self._backward[name] for name in backward]
         if not markers:
-            return []
+            return list
         device = markers[0].device
-        finite = torch.isfinite(torch.stack([marker.to(device) for marker in markers])).tolist()
-        forward_bad = [name for name, ok in zip(forward, finite, strict=False) if not ok]
-        backward_bad = [name for name, ok in zip(backward, finite[len(forward) :], strict=True) if not ok]
-        return forward_bad + [name for name in backward_bad if name not in forward_bad]
+        met = (~torch.isfinite(torch.stack([marker.to(device) for marker in markers]))).to(torch.float32)
+        if reduce is not None:
+            met = reduce(met)
+
+        def names() -> list[str]:
+            bad = [count > 0 for count in met.tolist()]
+            forward_bad = [name for name, hit in zip(forward, bad, strict=False) if hit]
+            backward_bad = [name for name, hit in zip(backward, bad[len(forward) :], strict=True) if hit]
+            return forward_bad + [name for name in backward_bad if name not in forward_bad]
+
+        return names
 
 
 def _marker(value: Tensor) -> Tensor:
     """A 0-d FP32 tensor: 0 if ``value`` is all finite, NaN otherwise (computed on the device)."""
-    flag = torch.zeros((), dtype=torch.float32, device=value.device)
-    _mark(flag, value)
+    local = local_view(value)  # a DTensor (FSDP2): this rank's shard
+    flag = torch.zeros((), dtype=torch.float32, device=local.device)
+    _mark(flag, local)
     return flag
 
 

@@ -6,9 +6,9 @@ the scale for everything it shares a scale with: a token 10,000 times larger tha
 a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero, or into its subnormals (below
 2**-6), where they keep 1-3 significant bits. :class:`Readings` measures exactly that, with torchao's scale functions
 (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only: :meth:`Readings.arm` registers a
-forward pre-hook (input and weight casts) and a forward hook that puts a tensor hook on the output (output-gradient
-casts) on each layer; :meth:`Readings.take` reads every count at once (one host sync) and removes the hooks. Between
-check steps there is no hook and no work.
+forward pre-hook (input and weight casts, in forwards with gradients: an evaluation forward is not read) and a forward
+hook that puts a tensor hook on the output (output-gradient casts) on each layer; :meth:`Readings.take` reads every
+count at once (one host sync) and removes the hooks. Between check steps there is no hook and no work.
 """
 
 from __future__ import annotations
@@ -118,9 +118,12 @@ class Readings:
     def _before(self, name: str, casts: tuple[Any, ...], every_device: bool, layer: nn.Module, args: Any) -> None:
         from lightning_amp_plus.weights.fp8.layer import input_as_cast
 
-        if not args or not isinstance(args[0], Tensor):
-            return
-        operands = {"input": input_as_cast(args[0], every_device), "weight": layer.weight}
+        if not args or not isinstance(args[0], Tensor) or not torch.is_grad_enabled():
+            return  # an evaluation forward (no_grad, inference mode) between arming and the step is not training's
+        operands = {"input": input_as_cast(args[0], every_device)}
+        weight = layer.weight
+        if isinstance(weight, Tensor) and not _cast_already(weight):
+            operands["weight"] = weight
         self._count(name, casts, operands)
 
     def _after(self, name: str, casts: tuple[Any, ...], _layer: nn.Module, _args: Any, output: Any) -> None:
@@ -139,6 +142,16 @@ class Readings:
                     counts = cast_counts(operand_2d(cast.operand, operands[cast.operand]), cast)
                     key = (name, cast.name)
                     self._counts[key] = counts if key not in self._counts else self._counts[key] + counts
+
+
+def _cast_already(weight: Tensor) -> bool:
+    """Whether the weight reaches the layer in float8 already: FSDP2's FP8 all-gather cast it, from the shards.
+
+    Its high-precision values never reach the layer then, so its cast is not read (the input and gradient casts are).
+    """
+    from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+    return isinstance(weight, Float8TrainingTensor)
 
 
 def _percent(part: int, whole: int) -> float:

@@ -2,29 +2,37 @@
 
 :class:`FP8Training` holds the choices (recipe, which layers, how often to read the casts, when to fall back) and the
 state of a run: the converted layers, the layers fallen back, the readings' counts, the non-finite flags. A loop calls
-:meth:`~FP8Training.convert` once before building the optimizer, :meth:`~FP8Training.start_check` before the forward of
-a check step and :meth:`~FP8Training.finish_check` after its optimizer step, :meth:`~FP8Training.nonfinite_layers`
-when a step was skipped, and :meth:`~FP8Training.end_step` after every step.
+:meth:`~FP8Training.convert` once before building the optimizer, then either
+
+* :meth:`~FP8Training.before_forward` before each training forward and :meth:`~FP8Training.after_step` after each
+  optimizer step, skipped or not (what the precision plugins do: the check steps come every ``check_interval`` steps,
+  the flags of a skipped step are kept for :meth:`~FP8Training.nonfinite_layers`), or
+* each part itself: :meth:`~FP8Training.start_check` before the forward of a check step and
+  :meth:`~FP8Training.finish_check` after its optimizer step, :meth:`~FP8Training.nonfinite_layers` when a step was
+  skipped, and :meth:`~FP8Training.end_step` after every step.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
 from lightning_amp_plus._checks import check_int, real, show
+from lightning_amp_plus.weights.fp8.casts import all_gathers_in_fp8
 from lightning_amp_plus.weights.fp8.convert import (
     RECIPES,
+    Float8Config,
     Modules,
     Recipe,
     convert_in_place,
     converted,
     fall_back,
-    warn_if_none,
+    warn_what_stays_in_bf16,
 )
 from lightning_amp_plus.weights.fp8.fallback import FallbackRule
 from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
@@ -36,6 +44,7 @@ __all__ = [
     "DEFAULT_RECIPE",
     "FP8Check",
     "FP8Training",
+    "Outcome",
     "check_check_interval",
     "check_fallback",
     "check_modules",
@@ -63,8 +72,10 @@ def require_torchao(owner: str = "FP8Training") -> None:
         ) from None
 
 
-def check_recipe(owner: str, name: str, value: object) -> Recipe:
-    """``value`` if it is one of :data:`~lightning_amp_plus.weights.fp8.convert.RECIPES`, else ``ValueError``.
+def check_recipe(owner: str, name: str, value: object) -> Recipe | Float8Config:
+    """``value`` if it is a recipe name or a torchao ``Float8LinearConfig``, else ``ValueError``.
+
+    The names are :data:`~lightning_amp_plus.weights.fp8.convert.RECIPES`.
 
     Examples:
         >>> check_recipe("MixedPrecisionPlugin", "fp8_recipe", "delayed")  # doctest: +ELLIPSIS
@@ -75,9 +86,39 @@ def check_recipe(owner: str, name: str, value: object) -> Recipe:
     for recipe in RECIPES:
         if value == recipe:
             return recipe
+    if not isinstance(value, str) and _is_float8_config(value):
+        return value
     raise ValueError(
-        f"`{owner}({name}={show(value)})` is not an FP8 recipe: use 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp'."
+        f"`{owner}({name}={show(value)})` is not an FP8 recipe: use 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp' "
+        "(or a torchao Float8LinearConfig)."
     )
+
+
+def _is_float8_config(value: object) -> bool:
+    try:
+        from torchao.float8 import Float8LinearConfig
+    except ImportError:  # without torchao nothing is a config of it
+        return False
+    return isinstance(value, Float8LinearConfig)
+
+
+def check_all_gather(owner: str, recipe: object, fallback: float | None, names: tuple[str, str]) -> None:
+    """Refuse a fallback with weights all-gathered in FP8 under FSDP2 (``enable_fsdp_float8_all_gather``).
+
+    A fallen-back layer would keep torchao's all-gather weight type, whose scale
+    ``precompute_float8_dynamic_scale_for_fsdp`` refreshes only for FP8 layers: its weights would be gathered in FP8
+    under a stale scale. ``names``: how ``owner`` calls the recipe and the fallback arguments.
+    """
+    from lightning_amp_plus.weights.fp8.casts import all_gathers_in_fp8
+
+    if fallback is not None and not isinstance(recipe, str) and all_gathers_in_fp8(recipe):
+        raise ValueError(
+            f"`{owner}({names[0]}=Float8LinearConfig(enable_fsdp_float8_all_gather=True), {names[1]}={fallback!r})`: "
+            "a layer that falls back would keep torchao's FP8 all-gather weight, whose scale torchao refreshes only "
+            "for FP8 layers, so FSDP2 would gather it in FP8 under a stale scale. Pass "
+            f"{names[1]}=None (read and warn, never fall back), or all-gather in bf16 (drop "
+            "enable_fsdp_float8_all_gather)."
+        )
 
 
 def check_modules(owner: str, name: str, value: object) -> Modules:
@@ -129,10 +170,28 @@ class FP8Check:
     Attributes:
         readings: one per converted layer and cast.
         fell_back: the layers sent back to bf16 at this check (by the rule).
+        step: the optimizer step it read (counted from 0 by :meth:`FP8Training.after_step`; ``None`` when the loop
+            drives the check itself).
     """
 
     readings: list[CastReading]
     fell_back: list[str]
+    step: int | None = None
+
+
+class Outcome(Protocol):
+    """What :meth:`FP8Training.after_step` needs to know of a step.
+
+    A :class:`~lightning_amp_plus.step.outcome.StepResult` has it.
+    """
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the step's fate is known on the host (reading :attr:`overflowed` costs no device read)."""
+
+    @property
+    def overflowed(self) -> bool:
+        """Whether the step was skipped because its gradients held inf/NaN."""
 
 
 class FP8Training:
@@ -140,7 +199,9 @@ class FP8Training:
 
     Args:
         recipe: torchao's recipe, ``"tensorwise"`` (one scale per tensor: the fastest), ``"rowwise"`` (one scale
-            per row, e4m3 everywhere) or ``"rowwise_with_gw_hp"`` (rowwise, the weight gradient in high precision).
+            per row, e4m3 everywhere) or ``"rowwise_with_gw_hp"`` (rowwise, the weight gradient in high precision);
+            or a torchao ``Float8LinearConfig`` (e.g. ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``:
+            tensorwise, the weights all-gathered in FP8 under FSDP2, which needs ``fallback=None``).
         modules: which eligible layers: ``None`` (all), ``"auto"`` (torchao's speed filter) or a callable
             ``(module, name) -> bool`` (see :mod:`~lightning_amp_plus.weights.fp8.convert`).
         check_interval: read the casts every this many optimizer steps (:meth:`is_check_step`).
@@ -148,8 +209,13 @@ class FP8Training:
             only read.
         owner: the class named in error messages and warnings (a front end passes its own).
 
+    Attributes:
+        checks: the latest check steps' findings (:class:`FP8Check`, up to 16, the newest last) that
+            :meth:`after_step` made.
+
     Raises:
         ModuleNotFoundError: torchao is not installed (the message says how to install it).
+        ValueError: a bad option (the message names it), or a fallback with the weights all-gathered in FP8.
 
     Examples:
         >>> import pytest; _ = pytest.importorskip("torchao.float8")  # the example needs the fp8 extra
@@ -170,7 +236,7 @@ class FP8Training:
 
     def __init__(
         self,
-        recipe: Recipe = DEFAULT_RECIPE,
+        recipe: Recipe | Float8Config = DEFAULT_RECIPE,
         modules: Modules = None,
         check_interval: int = DEFAULT_CHECK_INTERVAL,
         fallback: float | None = DEFAULT_FALLBACK,
@@ -182,10 +248,17 @@ class FP8Training:
         self.rule = FallbackRule(check_fallback(owner, "fallback", fallback))
         self.owner = owner
         require_torchao(owner)
+        check_all_gather(owner, self.recipe, self.rule.threshold_pct, ("recipe", "fallback"))
         self.log = NonfiniteLog()
         self.readings = Readings()
+        self.checks: deque[FP8Check] = deque(maxlen=16)
         self._layers: dict[str, nn.Linear] = {}
         self._fallen: list[str] = []
+        self._steps = 0  # optimizer steps seen by after_step
+        # The non-finite flags of skipped steps (and, on a fused optimizer's path, of steps whose skip is still on the
+        # device), each with the step's outcome, oldest first: what nonfinite_layers reads once the current step's
+        # flags are clear.
+        self._flags: list[tuple[Outcome, Callable[[], list[str]]]] = []
 
     @property
     def layers(self) -> dict[str, nn.Linear]:
@@ -200,12 +273,13 @@ class FP8Training:
     def convert(self, model: nn.Module) -> list[str]:
         """Convert ``model``'s chosen layers in place (a second call converts only what is new); return their names.
 
-        Warns when the model ends up with no FP8 layer at all, saying why.
+        Warns, at the first conversion, when the model ends up with no FP8 layer at all (saying why), or when some of
+        its layers with a weight matrix are not ``nn.Linear`` (they compute in bf16: GPT-2's ``Conv1D``).
         """
         before = len(self.layers)
         now = convert_in_place(model, self.recipe, self.modules, skip=set(self._fallen), log=self.log)
         self._layers.update(now)
-        warn_if_none(now, before, model, self.modules)
+        warn_what_stays_in_bf16(now, before, model, self.modules)
         return list(now)
 
     def is_check_step(self, step: int) -> bool:
@@ -216,12 +290,15 @@ class FP8Training:
         """Read the casts of every FP8 layer until :meth:`finish_check` (call before the step's first forward)."""
         self.readings.arm(self.layers)
 
-    def finish_check(self, reduce: Callable[[Tensor], Tensor] | None = None) -> FP8Check:
+    def finish_check(
+        self, reduce: Callable[[Tensor], Tensor] | None = None, warn: Callable[[str], None] | None = None
+    ) -> FP8Check:
         """Read the check step's casts (one host sync), apply the fallback rule, and fall back the layers it names.
 
         Args:
             reduce: applied to the counts before they are read (e.g. a SUM all-reduce across data-parallel ranks, so
                 that every rank falls back the same layers).
+            warn: says that a layer fell back (default: a ``UserWarning``; a plugin passes rank zero's warning).
         """
         readings = self.readings.take(reduce)
         due = self.rule.update(readings)
@@ -229,21 +306,88 @@ class FP8Training:
         for name in due:
             reading = worst[name]
             self.fall_back(name)
-            warnings.warn(
+            message = (
                 f"FP8 layer `{name}` flushed {reading.flushed_pct:.2f}% of its {reading.cast} cast's nonzero values "
                 f"to zero at {self.rule.in_a_row} readings in a row (fallback above {self.rule.threshold_pct:g}%): it "
-                "computes in bf16 from now on, over the same parameters and optimizer state.",
-                UserWarning,
-                stacklevel=2,
+                "computes in bf16 from now on, over the same parameters and optimizer state."
             )
+            if warn is None:
+                warnings.warn(message, UserWarning, stacklevel=2)
+            else:
+                warn(message)
         return FP8Check(readings, due)
 
-    def nonfinite_layers(self) -> list[str]:
-        """The FP8 layers whose casts met a NaN or inf since the last :meth:`end_step`, the origin first.
+    def before_forward(self) -> None:
+        """Before each training forward (each micro-batch's): arm the readings if the coming step is a check step.
 
-        One host sync: read it when the step is known to be skipped.
+        The coming step is the number of steps :meth:`after_step` has seen (a check every ``check_interval`` steps,
+        from step 0); once armed, the readings stay on until :meth:`after_step`, so micro-batches add up.
         """
-        return self.log.read({name: layer.weight for name, layer in self.layers.items()})
+        if self.is_check_step(self._steps) and not self.readings.armed and self.layers:
+            self.start_check()
+
+    def after_step(
+        self,
+        outcome: Outcome | None = None,
+        *,
+        reduce: Callable[[Tensor], Tensor] | None = None,
+        warn: Callable[[str], None] | None = None,
+    ) -> FP8Check | None:
+        """After each optimizer step, skipped or not: the check's readings, the non-finite flags kept, the step counted.
+
+        1. If the readings are armed (a check step, or :meth:`start_check` called by someone), they are read and the
+           fallback rule applied (:meth:`finish_check`); the result is returned and kept in :attr:`checks`.
+        2. If the step was skipped for non-finite gradients (``outcome.overflowed``), its flags are kept for
+           :meth:`nonfinite_layers`: read from the device only when asked. Where the skip is still on the device (a
+           fused optimizer's step: ``outcome.resolved`` is false), the flags are kept without reading it.
+        3. The flags are cleared; with the weights all-gathered in FP8 under FSDP2, their scales are computed for the
+           next all-gather (torchao's ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce).
+
+        Args:
+            outcome: what became of the step (``.resolved``, ``.overflowed``: a ``StepResult``); ``None`` for a step
+                known to be applied.
+            reduce: applied on the device to the readings' counts and to the kept flags (a SUM all-reduce across
+                data-parallel ranks: every rank falls back the same layers and names the layers any rank's casts
+                met). Every rank must call this method at every step.
+            warn: says that a layer fell back (see :meth:`finish_check`).
+        """
+        check = None
+        if self.readings.armed:
+            found = self.finish_check(reduce, warn)
+            check = FP8Check(found.readings, found.fell_back, self._steps)
+            self.checks.append(check)
+        if outcome is not None and (not outcome.resolved or outcome.overflowed):
+            # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
+            # over every weight at every step would cost more than the step's flags).
+            weights = self._weights() if outcome.resolved else {}
+            kept = [(earlier, names) for earlier, names in self._flags if not earlier.resolved or earlier.overflowed]
+            last = max((i for i, (earlier, _) in enumerate(kept) if earlier.resolved), default=0)
+            self._flags = [*kept[last:], (outcome, self.log.snapshot(weights, reduce))]
+        self.end_step()
+        if all_gathers_in_fp8(self.recipe) and self.layers:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(self.layers.values()))
+        self._steps += 1
+        return check
+
+    def nonfinite_layers(self) -> list[str]:
+        """The FP8 layers whose casts met a NaN or inf, the origin first.
+
+        Those of the step under way (since the last :meth:`end_step`) if any; else those of the last step
+        :meth:`after_step` saw skipped for non-finite gradients (``[]`` if none). One host sync: read it when a step
+        is known to be skipped.
+        """
+        current = self.log.read(self._weights())
+        if current:
+            return current
+        for outcome, names in reversed(self._flags):
+            if outcome.overflowed:
+                return names()
+        return []
+
+    def _weights(self) -> dict[str, Tensor]:
+        return {name: layer.weight for name, layer in self.layers.items()}
 
     def end_step(self) -> None:
         """Clear the non-finite flags (no sync): after every optimizer step, skipped or not."""
