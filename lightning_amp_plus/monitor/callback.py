@@ -124,7 +124,7 @@ class MixedPrecisionMonitor(Callback):
         autopsy: find where each skipped step's inf/NaN started (see above).
         autopsy_limit: the most autopsies per run (>= 1).
         headroom_interval: read per-layer headroom every this many optimizer steps (0: never); under ``"fp8-mixed"``
-            with ``fp8_fallback=None``, the FP8 casts too.
+            with ``fp8_fallback=None``, the FP8 casts too (under the Trainer).
         fp8_flush_warn_pct: under ``"fp8-mixed"``, keep and warn about a cast that flushes more than this percent of
             its nonzero values to zero at a check step (a number in [0, 100)).
 
@@ -242,9 +242,8 @@ class MixedPrecisionMonitor(Callback):
     # ------------------------------------------------------------------------------------------------- the step
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
-        self._fp8.start(trainer.precision_plugin)
-        self.history.fp8 = self._fp8.record
+        plugin = trainer.precision_plugin
+        self._start(source_for(plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None, plugin)
         self._training = True  # until this fit's summary is out
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
         self._named_of = (pl_module, user_names(pl_module))
@@ -351,15 +350,14 @@ class MixedPrecisionMonitor(Callback):
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
         if not isinstance(self._source, EngineSteps) or self._source.engine is not engine:
-            self._start(EngineSteps(plugin, from_first=True), None)
-            self._fp8.start(plugin, from_first=True)
-            self.history.fp8 = self._fp8.record
+            self._start(EngineSteps(plugin, from_first=True), None, plugin, from_first=True)
         steps = self._source.take()
         if not steps:
             return {}
         first = steps[0].index if step is None else step
         memory = self._memory.of_model(model) if self.log_memory else {}
         last = (first or 0) + len(steps) - 1
+        self._step_metrics.everything = True  # a Fabric loop logs what it is given, every step
         metrics = self._step_metrics.of(steps, memory) | self._fp8.take(last)
         self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         if model is not None and replay is not None:
@@ -403,9 +401,10 @@ class MixedPrecisionMonitor(Callback):
         return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._named)
 
     # -------------------------------------------------------------------------------------------------- helpers
-    def _start(self, source: StepSource, memory_kind: str | None) -> None:
+    def _start(self, source: StepSource, memory_kind: str | None, plugin: Any, from_first: bool = False) -> None:
         self._source = source
-        self.history = AmpHistory(memory_kind=memory_kind or "process memory")
+        self._fp8.start(plugin, from_first=from_first)  # its checks before now are an earlier run's (Trainer)
+        self.history = AmpHistory(memory_kind=memory_kind or "process memory", fp8=self._fp8.record)
         self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)  # afresh for each run
         self.should_stop = False
         self._examiner.reset()

@@ -8,9 +8,10 @@ words and the chart draws), keeps every cast above ``fp8_flush_warn_pct`` as an 
 layer and cast, and gives the check step's ``amp/fp8_flushed_max``. On a step skipped for non-finite gradients it asks
 the FP8 training which layers met the inf/NaN first (one host read, on skipped steps only).
 
-Readings on demand: with ``MixedPrecisionMonitor(headroom_interval=N)`` the monitor arms the readings every N steps
-too, where that cannot change the run: a reading counts toward the fallback rule's "two readings in a row", so
-with ``fp8_fallback`` set the readings follow ``fp8_check_interval`` alone (:meth:`FP8Watch.arm`).
+Readings on demand: with ``MixedPrecisionMonitor(headroom_interval=N)`` the Trainer's monitor arms the readings on
+the steps its headroom replays too, where that cannot change the run: a reading counts toward the fallback rule's
+"two readings in a row", so with ``fp8_fallback`` set the readings follow ``fp8_check_interval`` alone
+(:meth:`FP8Watch.arm`).
 
 No Lightning here: the callback hands over the plugin and the step numbers.
 """
@@ -140,11 +141,12 @@ class FP8Watch:
     def arm(self, step: int, interval: int) -> None:
         """Before step ``step``'s forward: read its casts too when ``interval`` (the headroom's) asks for it.
 
-        Only where a reading cannot change the run: the fallback rule counts readings in a row, so with a fallback
-        threshold set the readings follow the plugin's ``fp8_check_interval`` alone.
+        The steps the headroom replays (the last of every ``interval``: ``step + 1`` a multiple of it), and only where
+        a reading cannot change the run: the fallback rule counts readings in a row, so with a fallback threshold set
+        the readings follow the plugin's ``fp8_check_interval`` alone.
         """
         fp8 = self._fp8
-        if fp8 is None or not interval or step % interval or fp8.rule.threshold_pct is not None:
+        if fp8 is None or not interval or (step + 1) % interval or fp8.rule.threshold_pct is not None:
             return
         if not fp8.readings.armed and fp8.layers:
             fp8.start_check()

@@ -122,13 +122,15 @@ def test_a_fabric_loop_gets_the_readings_from_observe() -> None:
     assert {o.step for o in monitor.fp8_outliers if (o.layer, o.cast) == (LAYER, "input")} == {0, 2}
 
 
-@pytest.mark.parametrize(("fallback", "read"), [(None, [0, 2]), (1.0, [0])], ids=["no-fallback", "fallback"])
+# The headroom replays steps 1 and 3 (after 2 and 4 steps): with no fallback the casts are read there too.
+@pytest.mark.parametrize(("fallback", "read"), [(None, [0, 1, 3]), (1.0, [0])], ids=["no-fallback", "fallback"])
 def test_headroom_interval_reads_the_casts_too_where_that_cannot_change_the_run(
     fallback: float | None, read: list[int]
 ) -> None:
     plugin = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=50, fp8_fallback=fallback)
     monitor = MixedPrecisionMonitor(headroom_interval=2, autopsy=False)
-    fit(plugin, monitor, GPTModule(), 3)
+    fit(plugin, monitor, GPTModule(), 4)
+    assert [step for step, _ in monitor.history.headroom] == [1, 3]
     assert [point.step for point in monitor.history.fp8.checks] == read
 
 
