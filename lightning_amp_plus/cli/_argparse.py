@@ -32,6 +32,8 @@ ALIASES = {
     "float": "32-true",
     "32": "32-true",
     "full": "32-true",
+    "fp8": "fp8-mixed",
+    "float8": "fp8-mixed",
     "gpu": "cuda",
 }
 """Common names for a choice under another spelling (PyTorch's dtype names, other tools' precision names)."""

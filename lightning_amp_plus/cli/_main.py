@@ -37,11 +37,12 @@ from lightning_amp_plus.cli._checks import (
     float_in,
     int_in,
 )
-from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, SETUPS
+from lightning_amp_plus.cli._configs import COMPARE_DEFAULT, FP8, SETUPS
 from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._settings import (
     COMPENSATIONS,
     DEFAULT_TASK,
+    FP8_RECIPES,
     PRECISIONS,
     SCALER_MAX_SCALE,
     SCALER_MIN_SCALE,
@@ -49,6 +50,7 @@ from lightning_amp_plus.cli._settings import (
     TASKS,
     AmpSettings,
     cli_amp_problem,
+    fp8_install_problem,
     train_settings,
 )
 from lightning_amp_plus.cli._workers import die_with_launcher
@@ -148,7 +150,7 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(COMPARE_DEFAULT),
         metavar="CONFIG",
         help=f"which to run, in order (default: {', '.join(COMPARE_DEFAULT)}; also lightning-bf16-true, "
-        "ours-bf16-true-kahan, ours-bf16-true-sr)",
+        "ours-bf16-true-kahan, ours-bf16-true-sr, and ours-fp8-mixed, which needs torchao)",
     )
     group.add_argument(
         "--in-process",
@@ -198,7 +200,8 @@ def build_parser() -> Parser:
         choices=("auto", *PRECISIONS),
         default="auto",
         help="auto (default): bf16-mixed on CPU and on GPUs with native bf16, 16-mixed on older GPUs; bf16-true: "
-        "bf16 weights, compensated (--compensation)",
+        "bf16 weights, compensated (--compensation); fp8-mixed: bf16-mixed with the eligible Linear layers in FP8 "
+        "(torchao; CUDA sm89+, or CPU emulated; docs/fp8.md)",
     )
     amp.add_argument(
         "--master-weights", action="store_true", help="FP32 master weights (a mixed precision; see the docs)"
@@ -228,6 +231,26 @@ def build_parser() -> Parser:
         choices=SPIKE_ACTIONS,
         help="skip or clip a step whose gradient norm is a spike: 25 standard deviations above the running mean of "
         "the steps taken, after 100 steps (SpikeGuard's defaults; docs/spike-guard.md); none by default",
+    )
+    fp8 = train_parser.add_argument_group("FP8 (--precision fp8-mixed)")
+    fp8.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        help="torchao's scaling recipe (default tensorwise: one scale per tensor; rowwise: one per row; "
+        "rowwise_with_gw_hp: rowwise, the weight gradient in bf16)",
+    )
+    fp8.add_argument(
+        "--fp8-check-interval",
+        type=int_in(1),
+        metavar="N",
+        help="read every FP8 cast's flushed share every N optimizer steps (default 50)",
+    )
+    fp8.add_argument(
+        "--fp8-fallback",
+        type=float_in(0.0, 100.0, high_open=True, why=": a percent of a cast's values (0: never fall back)"),
+        metavar="PCT",
+        help="a layer flushing more than PCT%% of a cast's values at two readings in a row goes back to bf16 "
+        "(default 1.0; 0: never, only read and warn)",
     )
     loop = train_parser.add_argument_group("loop and outputs")
     loop.add_argument("--epochs", type=int_in(1), help="epochs (default 2)")
@@ -314,6 +337,10 @@ def _check_request(args: argparse.Namespace) -> None:
             problem = cli_amp_problem(args, args.precision)
             if problem is not None:
                 raise ValueError(problem)
+        if args.precision == "fp8-mixed":
+            missing = fp8_install_problem()
+            if missing is not None:
+                raise ValueError(missing)
         if args.report is not None:
             from lightning_amp_plus.monitor.chart import check_chart_path
 
@@ -322,6 +349,10 @@ def _check_request(args: argparse.Namespace) -> None:
             check_output_dir(args.ckpt_dir, "--ckpt-dir")
         check_ckpt_dir(args.ckpt_dir, args.resume)
         return
+    if FP8[0] in args.configs:
+        missing = fp8_install_problem(f"--configs {FP8[0]}")
+        if missing is not None:
+            raise ValueError(missing)
     if args.steps is not None and args.warmup is not None and args.warmup >= args.steps:
         raise ValueError(
             f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: use fewer warm-up steps or more "

@@ -30,6 +30,7 @@ __all__ = [
     "build_datamodule",
     "build_model",
     "check_devices",
+    "check_fp8_gpu",
     "example_input",
     "interruptible",
     "lightning_output",
@@ -82,6 +83,19 @@ def check_devices(device: str, devices: int) -> None:
         )
 
 
+def check_fp8_gpu(index: int) -> None:
+    """Refuse ``--precision fp8-mixed`` on a GPU without float8 matrix multiplies (below compute capability 8.9)."""
+    from lightning_amp_plus.plugins.fp8 import NATIVE_CAPABILITY
+
+    major, minor = torch.cuda.get_device_capability(index)
+    if (major, minor) < NATIVE_CAPABILITY:
+        raise UsageError(
+            f"--precision fp8-mixed was requested, but this GPU ({torch.cuda.get_device_name(index)}, compute "
+            f"capability {major}.{minor}) has no float8 matrix multiply (that needs 8.9: Ada, Hopper, Blackwell). Use "
+            "--precision bf16-mixed (or auto)."
+        )
+
+
 def resolve_precision(precision: str, device: str) -> PrecisionName:
     """The precision to run: ``"auto"`` picks bf16 where it is native or on CPU, fp16 on older GPUs; checks support.
 
@@ -95,7 +109,9 @@ def resolve_precision(precision: str, device: str) -> PrecisionName:
     if precision == "auto":
         native = device != "cuda" or doctor.cuda_bf16_native(torch.cuda.current_device())
         precision = "bf16-mixed" if native else "16-mixed"
-    checked = "bf16-mixed" if precision == "bf16-true" else precision
+    checked = "bf16-mixed" if precision in ("bf16-true", "fp8-mixed") else precision  # fp8-mixed: bf16 autocast
+    if precision == "fp8-mixed" and device == "cuda":
+        check_fp8_gpu(torch.cuda.current_device())
     if checked == "bf16-mixed" and device == "cuda" and not doctor.cuda_bf16_native(torch.cuda.current_device()):
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)

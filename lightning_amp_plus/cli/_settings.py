@@ -8,6 +8,7 @@ checks a request before importing them. The rules are written once and spelled t
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMPENSATIONS",
     "DEFAULT_TASK",
+    "FP8_RECIPES",
     "MODEL_FLAGS",
     "PRECISIONS",
     "SCALER_MAX_SCALE",
@@ -31,6 +33,7 @@ __all__ = [
     "AmpSettings",
     "amp_problem",
     "cli_amp_problem",
+    "fp8_install_problem",
     "model_hparams",
     "task_label",
     "train_settings",
@@ -46,11 +49,13 @@ class DefaultTask(str):
 
 
 DEFAULT_TASK = DefaultTask(TASKS[0])
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8-mixed")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+"""torchao's recipes (``weights/fp8/convert.RECIPES``, which needs torch to import; a test keeps the two equal)."""
 COMPENSATIONS = ("kahan", "stochastic", "none")
 SPIKE_ACTIONS = ("skip", "clip")
 Task = Literal["cnn", "lstm"]
-PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true"]
+PrecisionName = Literal["32-true", "16-mixed", "bf16-mixed", "bf16-true", "fp8-mixed"]
 
 SCALER_MIN_SCALE = 1.0
 """``DynamicLossScaler``'s default ``min_scale`` (a test keeps the two equal): the lowest ``init_scale``."""
@@ -76,6 +81,8 @@ TRAIN_DEFAULTS: dict[str, dict[str, Any]] = {
 MODEL_FLAGS = {"cnn": ("width", "dropout"), "lstm": ("hidden_dim", "embed_dim", "dropout", "max_len")}
 """Each task's model (and, for ``max_len``, data) flags; another task's flag is refused."""
 _SCALER_FIELDS = ("init_scale", "growth_interval", "hysteresis")
+_FP8_FIELDS = ("fp8_recipe", "fp8_check_interval", "fp8_fallback")
+FP8_INSTALL = 'pip install "lightning-amp-plus[fp8]"'
 
 
 class _Spelling:
@@ -104,6 +111,7 @@ def amp_problem(
     max_consecutive_skips: bool = False,
     compensation: bool = False,
     spike_guard: bool = False,
+    fp8_settings: tuple[str, ...] = (),
     flags: bool = False,
     auto: bool = False,
 ) -> str | None:
@@ -116,6 +124,7 @@ def amp_problem(
         max_consecutive_skips: a skip limit was given.
         compensation: a compensation of bf16 weights was given.
         spike_guard: a spike guard was asked for.
+        fp8_settings: which of ``fp8_recipe``, ``fp8_check_interval``, ``fp8_fallback`` were given.
         flags: word it for the command line (``--master-weights``) instead of Python (``master_weights=True``).
         auto: ``precision`` is what ``--precision auto`` chose on this machine.
 
@@ -145,6 +154,13 @@ def amp_problem(
         return (
             f"{names} {verb} the fp16 loss scaler, which {spell.precision(precision)} does not use ({why}). Use "
             f"{_Spelling(flags).precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
+        )
+    if fp8_settings and precision != "fp8-mixed":
+        names = " and ".join(spell.setting(name) for name in fp8_settings)
+        verb = "configures" if len(fp8_settings) == 1 else "configure"
+        return (
+            f"{names} {verb} FP8 training, which {spell.precision(precision)} does not do. Use "
+            f"{_Spelling(flags).precision('fp8-mixed')}, or drop {names}."
         )
     if spike_guard and precision == "32-true":
         return (
@@ -182,6 +198,11 @@ class AmpSettings:
             diagnosis; ``0`` never stops (mixed precisions only).
         spike_guard: ``"skip"`` or ``"clip"``: a ``SpikeGuard`` with its default threshold and warm-up and this
             action (mixed precisions only; see the spike guard's page).
+        fp8_recipe: with ``"fp8-mixed"``: ``"tensorwise"`` (the plugin's default), ``"rowwise"`` or
+            ``"rowwise_with_gw_hp"``.
+        fp8_check_interval: with ``"fp8-mixed"``: read the FP8 casts every this many optimizer steps (default 50).
+        fp8_fallback: with ``"fp8-mixed"``: the percent flushed at two readings in a row above which a layer goes
+            back to bf16 (default 1.0); ``0`` never falls back (the command line cannot type ``None``).
         monitor: attach a ``MixedPrecisionMonitor``.
         headroom_interval: the monitor reads per-layer headroom every this many optimizer steps (0: never).
         report_path: where the monitor writes its PNG chart at the end of ``fit`` (a ``.png`` path; needs
@@ -203,6 +224,9 @@ class AmpSettings:
     hysteresis: int | None = None
     max_consecutive_skips: int | None = None
     spike_guard: Literal["skip", "clip"] | None = None
+    fp8_recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None = None
+    fp8_check_interval: int | None = None
+    fp8_fallback: float | None = None
     monitor: bool = True
     report_path: str | None = None
     headroom_interval: int = 0
@@ -216,6 +240,11 @@ class AmpSettings:
             raise ValueError(
                 f"`AmpSettings(spike_guard={self.spike_guard!r})` must be 'skip', 'clip' or None (no guard)."
             )
+        if self.fp8_recipe not in (None, *FP8_RECIPES):
+            raise ValueError(
+                f"`AmpSettings(fp8_recipe={self.fp8_recipe!r})` must be one of {', '.join(FP8_RECIPES)} (or None: "
+                "tensorwise)."
+            )
         problem = amp_problem(
             self.precision,
             master_weights=self.master_weights,
@@ -223,6 +252,7 @@ class AmpSettings:
             max_consecutive_skips=self.max_consecutive_skips is not None,
             compensation=self.compensation is not None,
             spike_guard=self.spike_guard is not None,
+            fp8_settings=tuple(name for name in _FP8_FIELDS if getattr(self, name) is not None),
         )
         if problem is not None:
             raise ValueError(f"`AmpSettings`: {problem}")
@@ -243,9 +273,17 @@ class AmpSettings:
             ("hysteresis", 1),
             ("max_consecutive_skips", 0),
             ("headroom_interval", 0),
+            ("fp8_check_interval", 1),
         ):
             if getattr(self, name) is not None:
                 check_int("AmpSettings", name, getattr(self, name), minimum)
+        fallback = self.fp8_fallback
+        if fallback is not None and (
+            isinstance(fallback, bool) or not isinstance(fallback, int | float) or not 0 <= fallback < 100
+        ):
+            raise ValueError(
+                f"`AmpSettings(fp8_fallback={fallback!r})` must be a percent in [0, 100), e.g. 1.0; 0 never falls back."
+            )
         if self.report_path is not None:
             from lightning_amp_plus.monitor.chart import check_chart_path
 
@@ -266,6 +304,11 @@ class AmpSettings:
             options = {name: getattr(self, name) for name in _SCALER_FIELDS if getattr(self, name) is not None}
             scaler = DynamicLossScaler(**options, max_consecutive_skips=limit)
         compensation = {"none": None, None: "auto"}.get(self.compensation, self.compensation)
+        fp8: dict[str, Any] = {}
+        if self.precision == "fp8-mixed":  # only what was given: the plugin's defaults for the rest
+            fp8 = {name: getattr(self, name) for name in _FP8_FIELDS if getattr(self, name) is not None}
+            if fp8.get("fp8_fallback") == 0:
+                fp8["fp8_fallback"] = None  # 0 on the command line: read and warn, never fall back
         plugin = MixedPrecisionPlugin(
             self.precision,
             device,
@@ -274,6 +317,7 @@ class AmpSettings:
             master_weights=self.master_weights,
             compensation=compensation,  # type: ignore[arg-type]
             spike_guard=None if self.spike_guard is None else SpikeGuard(action=self.spike_guard),
+            **fp8,
         )
         return [plugin]
 
@@ -300,7 +344,7 @@ class AmpSettings:
             or self.master_weights
             or self.compensation is not None
             or self.spike_guard is not None
-            or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, "max_consecutive_skips"))
+            or any(getattr(self, name) is not None for name in (*_SCALER_FIELDS, *_FP8_FIELDS, "max_consecutive_skips"))
         )
 
     def trainer_arguments(self, trainer: Any) -> dict[str, Any]:
@@ -340,7 +384,10 @@ class AmpSettings:
 
     def _changed(self) -> str:
         defaults = AmpSettings()
-        names = ("precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips", "spike_guard")
+        names = (
+            "precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips", "spike_guard",
+            *_FP8_FIELDS,
+        )  # fmt: skip
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
         )
@@ -373,8 +420,24 @@ def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False
         max_consecutive_skips=args.max_consecutive_skips is not None,
         compensation=getattr(args, "compensation", None) is not None,
         spike_guard=getattr(args, "spike_guard", None) is not None,
+        fp8_settings=tuple(name for name in _FP8_FIELDS if getattr(args, name, None) is not None),
         flags=True,
         auto=auto,
+    )
+
+
+def fp8_install_problem(asked: str = "--precision fp8-mixed") -> str | None:
+    """Why ``fp8-mixed`` cannot run in this environment (torchao is missing), or ``None``; imports nothing.
+
+    Examples:
+        >>> fp8_install_problem() is None or "pip install" in fp8_install_problem()
+        True
+    """
+    if importlib.util.find_spec("torchao") is not None:
+        return None
+    return (
+        f"{asked} trains the model's Linear layers in FP8 with torchao, which is not installed. Install it with "
+        f"`{FP8_INSTALL}` (torchao 0.18.0, built for torch 2.14), or choose another precision."
     )
 
 

@@ -8,6 +8,9 @@ optimizer steps, then validates once:
 * ``ours-16-mixed``, ``ours-bf16-mixed``: :class:`~lightning_amp_plus.MixedPrecisionPlugin`.
 * ``ours-16-mixed-master``, ``ours-bf16-mixed-master``: the same with ``master_weights=True``.
 * ``lightning-bf16-true`` (only when named in ``--configs``): Lightning's ``precision="bf16-true"``, weights in bf16.
+* ``ours-fp8-mixed`` (only when named in ``--configs``; needs torchao): ``MixedPrecisionPlugin("fp8-mixed")``. The
+  shipped models have no Linear layer FP8 can take, so it measures bf16-mixed with FP8's bookkeeping (the footer says
+  so).
 
 The set-ups are the table in :mod:`lightning_amp_plus.cli._configs`, which ``benchmarks/bench_master.py`` reads too.
 
@@ -505,14 +508,14 @@ def _report(args: argparse.Namespace, results: list[ConfigResult], spec: RunSpec
     base = next((r for r in results if r.config == "32-true"), None)
     for result in results:
         result.ratio = None if base is None else result.step_ms / base.step_ms
-    footer = _footer(spec, device, isolated, base is not None)
+    footer = _footer(spec, device, isolated, base is not None, any(r.config == "ours-fp8-mixed" for r in results))
     print()
     print(format_table(results, footer))
     title = f"amp-plus compare {args.task} on {device}, {plural(spec.steps, 'step')} per configuration"
     _write_outputs(args, results, footer, title)
 
 
-def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool) -> list[str]:
+def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool, fp8: bool = False) -> list[str]:
     first = spec.warmup + 1
     timed = f"step {first}" if first == spec.steps else f"steps {first}-{spec.steps}"
     notes = [
@@ -526,6 +529,12 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool) -> list[
     ]
     if not has_base:
         notes.append("vs 32-true: not measured (32-true was not among --configs)")
+    if fp8:
+        notes.append(
+            "ours fp8-mixed: no layer trains in FP8 here: the shipped models' only Linear is their classifier (10 "
+            "classes, or 1 logit), and FP8 takes Linear layers whose two dimensions are multiples of 16; the row is "
+            "bf16-mixed with FP8's bookkeeping (docs/fp8.md is about the models FP8 is for)"
+        )
     if device == "cpu":
         notes.append(
             "on CPU: fp16 and bf16 run slower than fp32 on CPUs without native half-precision arithmetic (fp16 the "

@@ -37,6 +37,7 @@ __all__ = [
     "cpu_name",
     "cuda_bf16_native",
     "format_report",
+    "fp8_support",
     "matmul_tflops",
     "recommend",
     "report_dict",
@@ -194,6 +195,35 @@ def cuda_bf16_native(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
+def fp8_support(kind: str, capability: str | None = None) -> str:
+    """How a device runs ``fp8-mixed``: ``"native"``, ``"emulated"`` or ``"no"``.
+
+    Native on CUDA from compute capability 8.9 (Ada, Hopper, Blackwell, whose tensor cores multiply float8); emulated
+    on CPU (``torch._scaled_mm`` computes FP8's numerics, slowly); not at all on older GPUs (the plugin refuses them).
+
+    Examples:
+        >>> fp8_support("cuda", "9.0"), fp8_support("cuda", "8.0"), fp8_support("cpu")
+        ('native', 'no', 'emulated')
+    """
+    if kind != "cuda":
+        return "emulated"
+    major, minor = (int(part) for part in (capability or "0.0").split(".")[:2])
+    return "native" if (major, minor) >= (8, 9) else "no"
+
+
+_FP8_WORDS = {
+    "native": "native (float8 tensor cores, compute capability 8.9+)",
+    "emulated": "emulated (torch._scaled_mm on CPU: FP8's numerics, not its speed)",
+    "no": "no (needs compute capability 8.9: Ada, Hopper, Blackwell)",
+}
+
+
+def _torchao_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torchao") is not None
+
+
 def autocast_supported(device: str, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether ``torch.autocast(device, dtype)`` really runs a matmul in ``dtype`` here, and if not, why.
 
@@ -294,6 +324,7 @@ def collect(benchmark: bool = True, cpuinfo: str | os.PathLike[str] = CPUINFO) -
         "vector_isa": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": cpu_bf16_native(flags),
         "bf16_flags": [flag for flag in BF16_FLAGS if flags is not None and flag in flags],
+        "fp8": fp8_support("cpu"),
     }
     reports = [_probe("cpu", None, cpu_name(), cpu_details, benchmark)]
     if torch.cuda.is_available():
@@ -303,6 +334,7 @@ def collect(benchmark: bool = True, cpuinfo: str | os.PathLike[str] = CPUINFO) -
                 "capability": f"{props.major}.{props.minor}",
                 "memory_gib": round(props.total_memory / 2**30, 1),
                 "bf16_native": cuda_bf16_native(index),
+                "fp8": fp8_support("cuda", f"{props.major}.{props.minor}"),
             }
             reports.append(_probe("cuda", index, props.name, details, benchmark))
     return reports
@@ -445,6 +477,7 @@ def report_dict(reports: list[DeviceReport]) -> dict[str, Any]:
         "devices": [asdict(report) | {"label": report.label} for report in reports],
         "recommendations": [asdict(r) for r in recommendations],
         "recommended": asdict(chosen),
+        "torchao": _torchao_installed(),
     }
 
 
@@ -485,11 +518,15 @@ def format_report(data: dict[str, Any]) -> str:
             for name, ok in device["autocast"].items()
         )
         lines.append(f"  autocast: {autocast}")
+        if "fp8" in details:
+            lines.append(f"  fp8-mixed: {_FP8_WORDS.get(details['fp8'], details['fp8'])}")
         report = DeviceReport(**{k: v for k, v in device.items() if k != "label"})
         if any(value is not None for value in report.tflops.values()):
             lines.append(f"  matmul: {_tflops_text(report)}")
     if not any(device["kind"] == "cuda" for device in devices):
         lines.append("cuda: none (torch.cuda.is_available() is False)")
+    if not data.get("torchao", True):
+        lines.append('fp8-mixed needs torchao, which is not installed: pip install "lightning-amp-plus[fp8]"')
     chosen = data["recommended"]
     lines += ["", f"recommended on {chosen['device']}: {chosen['code']}"]
     lines += [f"  - {reason}" for reason in chosen["reasons"]]

@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_only
+from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -83,6 +84,7 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
             "precision": precision,
             "master_weights": amp.master_weights,
             "compensation": compensation_in_effect(precision, amp.compensation),
+            **_fp8_in_effect(amp),
         }
     )
     resume = None
@@ -91,7 +93,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         resume = read_resume_point(Path(args.ckpt_dir) / "last.ckpt", model, datamodule, record, target)
     # Under DDP on CPU every process runs this command; one speaks. (The Trainer knows its rank only inside fit.)
     if getattr(rank_zero_only, "rank", 0) == 0:
-        print(_start_line(args, settings, precision, device, amp, batches, threads), flush=True)
+        fp8 = fp8_note(model) if precision == "fp8-mixed" else ""
+        print(_start_line(args, settings, precision, device, amp, batches, threads, fp8), flush=True)
         if resume is not None:
             print(resume.line(), flush=True)
     record.saved_step = None if resume is None else resume.step  # what last.ckpt holds before this run saves
@@ -302,6 +305,9 @@ def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSett
             max_consecutive_skips=args.max_consecutive_skips,
             compensation=args.compensation,
             spike_guard=args.spike_guard,
+            fp8_recipe=args.fp8_recipe,
+            fp8_check_interval=args.fp8_check_interval,
+            fp8_fallback=args.fp8_fallback,
             report_path=args.report,
             headroom_interval=args.headroom,
         )
@@ -317,8 +323,11 @@ def _start_line(
     amp: AmpSettings,
     batches: int,
     threads: str = "",
+    fp8: str = "",
 ) -> str:
     master = _weights_note(precision, amp.master_weights, amp.compensation)
+    if precision == "fp8-mixed":
+        master += f" ({amp.fp8_recipe or 'tensorwise'}{'; ' + fp8 if fp8 else ''})"
     if amp.spike_guard is not None:
         master += f", spike guard ({amp.spike_guard})"
     devices = f" x {args.devices}" if args.devices > 1 else ""
@@ -333,6 +342,50 @@ def _start_line(
         f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
         f"{length}{', ' + threads if threads else ''} (Ctrl-C stops cleanly with the summary so far)"
     )
+
+
+def fp8_note(model: nn.Module) -> str:
+    """What ``fp8-mixed`` converts in ``model``, for the first line: how many Linear layers, and why not the others.
+
+    The shipped models' only Linear is their classifier (10 classes, or 1 logit), which FP8's GEMMs cannot take (both
+    weight dimensions must be multiples of 16): the line says the run then computes as bf16-mixed.
+
+    Examples:
+        >>> fp8_note(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
+        '1 of 2 Linear layers in FP8 (not `2`: 64 -> 10, FP8 needs both dimensions multiples of 16)'
+        >>> fp8_note(nn.Sequential(nn.Conv2d(3, 16, 3), nn.Flatten(), nn.Linear(16, 10)))
+        'no layer in FP8: its only Linear, `2` (16 -> 10), is not a multiple of 16 in both dimensions, so this run computes as bf16-mixed'
+    """  # noqa: E501
+    from lightning_amp_plus.weights.fp8.convert import eligible
+
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    left = [(name, module) for name, module in linears if not eligible(module, name)]
+    shapes = ", ".join(f"`{name}`: {m.in_features} -> {m.out_features}" for name, m in left[:3])
+    if len(left) < len(linears):
+        return f"{len(linears) - len(left)} of {plural(len(linears), 'Linear layer')} in FP8" + (
+            f" (not {shapes}, FP8 needs both dimensions multiples of 16)" if left else ""
+        )
+    if len(linears) == 1:
+        name, module = linears[0]
+        what = f"its only Linear, `{name}` ({module.in_features} -> {module.out_features}), is not"
+    else:
+        what = f"none of its {len(linears)} Linear layers ({shapes}) is" if linears else "it has no Linear layer, and"
+    return (
+        f"no layer in FP8: {what} a multiple of 16 in both dimensions, so this run computes as bf16-mixed"
+        if linears
+        else f"no layer in FP8: {what} FP8 converts Linear layers only, so this run computes as bf16-mixed"
+    )
+
+
+def _fp8_in_effect(amp: AmpSettings) -> dict[str, Any]:
+    """The FP8 settings a run uses, for its checkpoint record (none outside fp8-mixed): a resume must keep them."""
+    if amp.precision != "fp8-mixed":
+        return {}
+    return {
+        "fp8_recipe": amp.fp8_recipe or "tensorwise",
+        "fp8_check_interval": amp.fp8_check_interval or 50,
+        "fp8_fallback": 1.0 if amp.fp8_fallback is None else amp.fp8_fallback,
+    }
 
 
 def compensation_in_effect(precision: str, compensation: str | None) -> str | None:

@@ -14,6 +14,10 @@ How to read a layer's entry:
 
 * ``headroom_bits[fmt]`` is for the forward: ``log2(format max / act_absmax)``. Below about 1 bit the activations are
   within a factor of 2 of overflowing that format; negative means they overflow it now (keep the layer in FP32).
+  The float8 entries are unscaled figures: every FP8 recipe (torchao's, Transformer Engine's) scales each tensor so
+  that its largest value lands at float8's top, so nothing overflows there; what FP8 loses is at the bottom, which
+  ``"fp8-mixed"``'s own readings measure (:mod:`~lightning_amp_plus.weights.fp8.readings`). The monitor shows
+  float16's only.
 * ``grad_headroom_bits[fmt]`` is for the backward at the loss scale: ``log2(format max / (grad_absmax * scale))``.
   Negative: this layer's gradients overflow at this scale (the scaler will back off).
 * ``grad_flushed_pct`` and ``grad_subnormal_pct``: the share of the layer's non-zero FP32 weight gradients that

@@ -28,8 +28,9 @@ from lightning_amp_plus.diagnostics.headroom import LayerHeadroom
 from lightning_amp_plus.monitor import memory as _memory
 from lightning_amp_plus.monitor.chart import check_chart_path, write_chart
 from lightning_amp_plus.monitor.examiner import Examiner, Replay, trainer_replay
+from lightning_amp_plus.monitor.fp8 import FP8Outlier, FP8Watch
 from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
-from lightning_amp_plus.monitor.nonfinite import save_debug_file
+from lightning_amp_plus.monitor.nonfinite import Finding, handle_finding
 from lightning_amp_plus.monitor.step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
 from lightning_amp_plus.monitor.summary import summary
 from lightning_amp_plus.plugins.wrappers import user_names
@@ -60,6 +61,9 @@ class MixedPrecisionMonitor(Callback):
       own (``i``: its position in ``trainer.optimizers``).
     * ``amp/cuda_allocated_mb``, ``amp/cuda_reserved_mb``, ``amp/cuda_peak_mb`` (the peak within the step) on CUDA;
       on CPU ``amp/cpu_rss_mb``, the process's resident memory, instead.
+    * ``amp/fp8_flushed_max``: under ``"fp8-mixed"``, on each FP8 check step, the largest share (percent) of a cast's
+      nonzero values flushed to zero; a cast above ``fp8_flush_warn_pct`` is kept in :attr:`fp8_outliers` and warned
+      about once per layer and cast (see ``monitor/fp8.py``).
 
     Every optimizer step is counted and recorded, also when several optimizers step in one batch.
 
@@ -119,7 +123,10 @@ class MixedPrecisionMonitor(Callback):
             chart then goes to ``<name>-1.png`` (or the next free number), as the printed line says.
         autopsy: find where each skipped step's inf/NaN started (see above).
         autopsy_limit: the most autopsies per run (>= 1).
-        headroom_interval: read per-layer headroom every this many optimizer steps (0: never).
+        headroom_interval: read per-layer headroom every this many optimizer steps (0: never); under ``"fp8-mixed"``
+            with ``fp8_fallback=None``, the FP8 casts too (under the Trainer).
+        fp8_flush_warn_pct: under ``"fp8-mixed"``, keep and warn about a cast that flushes more than this percent of
+            its nonzero values to zero at a check step (a number in [0, 100)).
 
     Examples:
         >>> from lightning import Trainer
@@ -144,6 +151,7 @@ class MixedPrecisionMonitor(Callback):
         autopsy: bool = True,
         autopsy_limit: int = 3,
         headroom_interval: int = 0,
+        fp8_flush_warn_pct: float = 1.0,
     ) -> None:
         name = type(self).__name__
         check_interval = check_int(name, "check_interval", check_interval, 1, hint=", e.g. 1 (every step)")
@@ -158,6 +166,8 @@ class MixedPrecisionMonitor(Callback):
         check_bool(name, "autopsy", autopsy)
         autopsy_limit = check_int(name, "autopsy_limit", autopsy_limit, 1, hint=", e.g. 3")
         headroom_interval = check_int(name, "headroom_interval", headroom_interval, 0, hint=" (0: never), e.g. 50")
+        warn_pct = check_real(name, "fp8_flush_warn_pct", fp8_flush_warn_pct, "a percent in [0, 100), e.g. 1.0",
+                              lambda pct: 0 <= pct < 100)  # fmt: skip
         self.check_interval = check_interval
         self.on_nonfinite = on_nonfinite
         self.log_memory = log_memory
@@ -173,8 +183,8 @@ class MixedPrecisionMonitor(Callback):
         self._source: StepSource = ScaleReadSteps(None)
         self._watch = _SkipWatch(skip_window, skip_warn_rate)
         self._memory = _memory.MemoryReader()
-        self._log_this_step = True
         self._step_metrics = _StepMetrics(prog_bar)
+        self._fp8 = FP8Watch(warn_pct, rank_zero_warn)
         # The checked model and its parameters by name, read once per model (walking the tree costs more than a check).
         self._named_of: tuple[nn.Module | None, list[tuple[str, Tensor]]] = (None, [])
         self._training = False  # a fit is under way whose summary is not out yet
@@ -198,6 +208,11 @@ class MixedPrecisionMonitor(Callback):
     @property
     def _named(self) -> list[tuple[str, Tensor]]:
         return self._named_of[1]
+
+    @property
+    def fp8_outliers(self) -> list[FP8Outlier]:
+        """Under ``"fp8-mixed"``: each cast above ``fp8_flush_warn_pct`` at a check step (``.step``, ``.layer``...)."""
+        return self._fp8.outliers
 
     @property
     def autopsies(self) -> list[Autopsy]:
@@ -227,7 +242,8 @@ class MixedPrecisionMonitor(Callback):
     # ------------------------------------------------------------------------------------------------- the step
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._start(source_for(trainer.precision_plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None)
+        plugin = trainer.precision_plugin
+        self._start(source_for(plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None, plugin)
         self._training = True  # until this fit's summary is out
         # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
         self._named_of = (pl_module, user_names(pl_module))
@@ -239,8 +255,9 @@ class MixedPrecisionMonitor(Callback):
         self._source.begin_batch()
         if self._replays(trainer, pl_module):
             self._examiner.batch_start()
-        self._log_this_step = _logs_this_step(trainer)
-        if self._log_this_step and self.log_memory and _on_cuda(trainer):
+        self._fp8.arm(trainer.global_step, self.headroom_interval)
+        self._step_metrics.everything = _logs_this_step(trainer)
+        if self._step_metrics.everything and self.log_memory and _on_cuda(trainer):
             _memory.reset_cuda_peak(trainer.strategy.root_device)
 
     @override
@@ -259,8 +276,9 @@ class MixedPrecisionMonitor(Callback):
         steps = self._source.take()
         if not steps:
             return  # an accumulating micro-batch: no optimizer step to report
-        memory = self._memory.of_trainer(trainer) if self.log_memory and self._log_this_step else {}
-        for key, value in self._step_metrics.of(steps, memory, everything=self._log_this_step).items():
+        memory = self._memory.of_trainer(trainer) if self.log_memory and self._step_metrics.everything else {}
+        metrics = self._step_metrics.of(steps, memory) | self._fp8.take(trainer.global_step - 1)
+        for key, value in metrics.items():
             pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
                           prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
@@ -332,15 +350,16 @@ class MixedPrecisionMonitor(Callback):
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
         if not isinstance(self._source, EngineSteps) or self._source.engine is not engine:
-            self._start(EngineSteps(plugin, from_first=True), None)
+            self._start(EngineSteps(plugin, from_first=True), None, plugin, from_first=True)
         steps = self._source.take()
         if not steps:
             return {}
         first = steps[0].index if step is None else step
         memory = self._memory.of_model(model) if self.log_memory else {}
-        metrics = self._step_metrics.of(steps, memory, everything=True)
-        self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         last = (first or 0) + len(steps) - 1
+        self._step_metrics.everything = True  # a Fabric loop logs what it is given, every step
+        metrics = self._step_metrics.of(steps, memory) | self._fp8.take(last)
+        self._record(steps, first or 0, memory.get("cuda_peak_mb", memory.get("cpu_rss_mb")))
         if model is not None and replay is not None:
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
@@ -382,9 +401,10 @@ class MixedPrecisionMonitor(Callback):
         return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._named)
 
     # -------------------------------------------------------------------------------------------------- helpers
-    def _start(self, source: StepSource, memory_kind: str | None) -> None:
+    def _start(self, source: StepSource, memory_kind: str | None, plugin: Any, from_first: bool = False) -> None:
         self._source = source
-        self.history = AmpHistory(memory_kind=memory_kind or "process memory")
+        self._fp8.start(plugin, from_first=from_first)  # its checks before now are an earlier run's (Trainer)
+        self.history = AmpHistory(memory_kind=memory_kind or "process memory", fp8=self._fp8.record)
         self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)  # afresh for each run
         self.should_stop = False
         self._examiner.reset()
@@ -405,6 +425,7 @@ class MixedPrecisionMonitor(Callback):
         print(f"MixedPrecisionMonitor: chart written to {written_as(self.report_path, written)}", flush=True)
 
     def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
+        self._fp8.nonfinite(first + len(steps) - 1, any(result.overflowed for result in steps))  # before any replay
         for offset, result in enumerate(steps):
             index = first + offset
             entry = StepEntry(index, result.scale, result.skipped, result.grad_norm, peak, result.spike_verdict)
@@ -418,25 +439,10 @@ class MixedPrecisionMonitor(Callback):
         return count % self.check_interval == 0
 
     def _found(self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int) -> None:
-        if not names:
-            return
-        self.history.nonfinite_events.append((step, kind, names))
-        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
-        message = f"MixedPrecisionMonitor: non-finite {kind} at step {step}: {shown}."
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(message + " (on_nonfinite='raise')")
-        if self.on_nonfinite == "warn":
-            rank_zero_warn(message)
-            return
-        self.debug_path = save_debug_file(trainer, module, kind, names, step, self._named, self.history)
-        self.should_stop = True
-        if trainer is not None:
-            trainer.should_stop = True
-        if kind == "gradients":
-            # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
-            for _, param in self._named:
-                param.grad = None
-        rank_zero_warn(f"{message} Training stops; what you need to debug it is in {self.debug_path}.")
+        found = Finding(kind, names, step, self._named, self.history)
+        path = handle_finding(self.on_nonfinite, found, trainer, module, rank_zero_warn)
+        if path is not None:  # "stop": the debug file saved, fit ends
+            self.debug_path, self.should_stop = path, True
 
 
 # --------------------------------------------------------------------------------------------- step sources
@@ -465,9 +471,12 @@ class _StepMetrics:
         self.skips_seen = 0
         self.spikes_seen = 0
         self.bar_scale: float | None = None
+        self.everything = True
+        """Whether this batch's metrics are all logged (the steps Lightning logs, and every step in a Fabric loop)."""
 
-    def of(self, steps: list[StepResult], memory: dict[str, float], *, everything: bool) -> dict[str, float]:
-        """The ``amp/...`` metrics of one batch's optimizer steps (``everything``: on the steps Lightning logs)."""
+    def of(self, steps: list[StepResult], memory: dict[str, float]) -> dict[str, float]:
+        """The ``amp/...`` metrics of one batch's optimizer steps (all of them when :attr:`everything`)."""
+        everything = self.everything
         # `self.log` costs about a millisecond a call, so everything is logged only on the steps Lightning writes to
         # its loggers; between them only a changed loss scale is, for the progress bar.
         self.skips_seen += sum(step.skipped for step in steps)

@@ -108,9 +108,13 @@ def write_chart(history: AmpHistory, path: str | os.PathLike[str]) -> Path:
     several optimizers per batch, a batch is one point: its first scale, the global gradient norm over the
     optimizers, the largest memory.
 
+    Under ``"fp8-mixed"``, a panel of the FP8 readings: at each check step the largest share of a cast's values
+    flushed to zero (the worst layer's, named at the highest point), the monitor's ``fp8_flush_warn_pct`` as a dashed
+    line, and the layers that fell back to bf16 marked where they did.
+
     With headroom readings, the last one is drawn below: per layer, how many bits its activations stay below
-    float16's and float8_e4m3fn's largest values (red under 2 bits, where an overflow is near), and the percent of its
-    gradient values that the half dtype flushes to zero or makes subnormal at the loss scale of the reading.
+    float16's largest value (red under 2 bits, where an overflow is near), and the percent of its gradient values
+    that the half dtype flushes to zero or makes subnormal at the loss scale of the reading.
     """
     return save_png(_whole_figure(history), path)
 
@@ -154,6 +158,9 @@ def _panels_and_notes(history: AmpHistory) -> tuple[list[tuple[str, list[float |
         (norm_label, [b.grad_norm for b in merged], "log10"),
         (f"{history.memory_kind} (MB)", [b.memory_mb for b in merged], "zero"),
     ]
+    if history.fp8 is not None and history.fp8.checks:
+        worst = {point.step: point.flushed_pct for point in history.fp8.checks}
+        candidates.append(("FP8: most flushed cast (%)", [worst.get(b.step) for b in merged], "fp8"))
     notes = []
     panels = []
     for label, values, kind in candidates:
@@ -195,13 +202,18 @@ def _run_figure(history: AmpHistory, target: Any = None) -> Any:
         _draw_series(axis, xs, values, kind, skipped_steps)
         if kind == "log10":
             _draw_spike_guard(axis, merged)
+        if kind == "fp8":
+            _draw_fp8(axis, history.fp8)
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
-    if skipped_steps or spikes:  # outside the panels: with many skips, no spot inside is free of lines
-        labelled: dict[str, Any] = {}  # each label once, from whichever panel drew it
-        for axis in axes:
-            labelled.update(zip(*reversed(axis.get_legend_handles_labels()), strict=True))
-        figure.legend(list(labelled.values()), list(labelled), loc="outside upper right", fontsize=8)
+    labelled: dict[str, Any] = {}  # each label once, from whichever panel drew it
+    for axis in axes:
+        labelled.update(zip(*reversed(axis.get_legend_handles_labels()), strict=True))
+    if labelled:  # outside the panels: with many skips, no spot inside is free of lines
+        # Below the panels, in one row: above them it would cover the title's second line.
+        figure.legend(
+            list(labelled.values()), list(labelled), loc="outside lower center", ncols=len(labelled), fontsize=8
+        )
     axes[-1].set_xlabel("optimizer step (global step)")
     _step_axis(axes[-1], xs)
     return figure if target is None else list(axes)
@@ -259,14 +271,14 @@ def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
     )
     bits_axis, lost_axis = figure.subplots(1, 2, sharey=True, width_ratios=[3, 2])
     rows = list(range(len(names)))
-    width = 0.38
-    for offset, fmt, color in ((-width / 2, "float16", "tab:blue"), (width / 2, "float8_e4m3fn", "tab:purple")):
-        bits = [layer.headroom_bits[fmt] for layer in layers]
-        colors = ["tab:red" if b < _NEAR_BITS else color for b in bits]
-        bits_axis.barh([r + offset for r in rows], bits, height=width, color=colors, label=f"to {fmt}'s max")
+    # float16's range only: every FP8 recipe scales each tensor to float8's top, so an unscaled float8 bar would
+    # mislead (under fp8-mixed, the FP8 panel shows what the casts lose).
+    bits = [layer.headroom_bits["float16"] for layer in layers]
+    colors = ["tab:red" if b < _NEAR_BITS else "tab:blue" for b in bits]
+    bits_axis.barh(rows, bits, height=0.6, color=colors, label="to float16's max")
     bits_axis.axvline(0, color="black", linewidth=0.8)
     bits_axis.axvline(_NEAR_BITS, color="tab:red", linewidth=0.8, linestyle="--")
-    bits_axis.set_xlabel("activations: bits below the format's largest value (red: under 2)")
+    bits_axis.set_xlabel("activations: bits below float16's largest value (red: under 2)")
     bits_axis.set_yticks(rows, labels, fontsize=7)
     bits_axis.invert_yaxis()
     _legend_below(bits_axis)
@@ -335,11 +347,12 @@ def _draw_series(axis: Any, xs: list[int], values: list[float | None], kind: str
         axis.plot(lx, ly, marker="o" if dots else None, markersize=3, color="tab:blue")
         if kind == "log10" and max(py) > 10 * min(py):  # a log axis only where the norm spans a decade or more
             axis.set_yscale("log")
-        elif kind == "zero":
+        elif kind in ("zero", "fp8"):
             # From zero: a 0.1 MB wiggle on 900 MB is flat, and a real leak still climbs visibly.
-            axis.set_ylim(0, max(py) * 1.15)
+            axis.set_ylim(0, max(max(py), 1e-9) * 1.15)
     # Above the panel, not on it: a note in the plot area hides the points under it.
-    note = _coverage_note(xs, usable, px, skipped, "the steps Lightning logs" if kind == "zero" else "")
+    why = {"zero": "the steps Lightning logs", "fp8": "the FP8 check steps"}.get(kind, "")
+    note = _coverage_note(xs, usable, px, skipped, why)
     axis.set_title(note, loc="left", fontsize=8)
     last = f"last {_last_text(py[-1], kind)}" + (f" (step {px[-1]})" if px[-1] != xs[-1] else "")
     axis.set_title(last, loc="right", fontsize=8)
@@ -365,6 +378,26 @@ def _draw_spike_guard(axis: Any, merged: list[Batch]) -> None:
         axis.set_yscale("log")  # spikes a decade above the rest: on a linear axis the ordinary steps would be flat
 
 
+def _draw_fp8(axis: Any, record: Any) -> None:
+    """On the FP8 panel: the warning threshold, the worst point's layer and cast, and the layers that fell back."""
+    axis.axhline(record.warn_pct, color="tab:red", linestyle="--", linewidth=0.8, label="fp8_flush_warn_pct")
+    top = max(record.checks, key=lambda point: point.flushed_pct)
+    if top.flushed_pct > 0:
+        axis.annotate(
+            f"`{top.layer}` {top.cast}", (top.step, top.flushed_pct), xytext=(4, -10), textcoords="offset points",
+            fontsize=7,
+        )  # fmt: skip
+    for number, (step, layer) in enumerate(record.fell_back):
+        axis.axvline(
+            step, color="tab:purple", linestyle=":", label="FP8 layer fell back to bf16" if not number else None
+        )
+        axis.annotate(
+            layer, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
+            fontsize=7, color="tab:purple",
+        )  # fmt: skip
+    axis.set_ylim(0, max(axis.get_ylim()[1], record.warn_pct * 1.3))
+
+
 def _has_isolated_points(drawn: list[tuple[int, float]], xs: list[int]) -> bool:
     """Whether a drawable value has no drawable neighbour: a line through it would have no length."""
     value = dict(drawn)
@@ -383,6 +416,8 @@ def _coverage_note(
     Examples:
         >>> _coverage_note(list(range(40)), [(9, 1.0), (19, 1.0), (29, 1.0), (39, 1.0)], [9, 19, 29, 39], [], "")
         'recorded on 4 of 40 steps: every 10th, from step 9'
+        >>> _coverage_note([0, 1, 2, 3], [(0, 0.5), (2, 0.5)], [0, 2], [], "the FP8 check steps")
+        'recorded on 2 of 4 steps (the FP8 check steps): every 2nd, from step 0'
         >>> _coverage_note([0, 1, 2, 3], [(0, 1.0), (1, math.inf), (2, math.inf), (3, 1.0)], [0, 3], [1, 2], "")
         'not finite on the 2 skipped steps (not drawn)'
     """
@@ -390,7 +425,7 @@ def _coverage_note(
     recorded = [x for x, _ in usable]
     if len(recorded) < len(xs):
         gaps = {b - a for a, b in itertools.pairwise(recorded)}
-        where = f": every {gaps.pop()}th, from step {recorded[0]}" if len(gaps) == 1 else ""
+        where = f": every {_ordinal(gaps.pop())}, from step {recorded[0]}" if len(gaps) == 1 else ""
         notes.append(f"recorded on {len(recorded)} of {len(xs)} steps{' (' + why + ')' if why else ''}{where}")
     hidden = sorted(set(recorded) - set(drawn_xs))
     if hidden:
@@ -399,6 +434,12 @@ def _coverage_note(
             which = "the skipped step" if set(hidden) <= set(skipped) else f"step {hidden[0]}"
         notes.append(f"not finite on {which} (not drawn)")
     return "; ".join(notes)
+
+
+def _ordinal(number: int) -> str:
+    """``2nd``, ``3rd``, ``10th``, ``21st``: "every 2nd step"."""
+    suffix = "th" if 10 <= number % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(number % 10, "th")
+    return f"{number}{suffix}"
 
 
 def _last_text(value: float, kind: str) -> str:

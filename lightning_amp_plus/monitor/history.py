@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_amp_plus.monitor.fp8 import FP8Record
     from lightning_amp_plus.step.spikes import SpikeVerdict
 
 __all__ = ["ROUTINE", "AmpHistory", "Batch", "StepEntry", "batches", "scale_text"]
@@ -63,6 +64,8 @@ class AmpHistory:
     """``(step, {layer: numerics.headroom.LayerHeadroom})`` for each headroom reading."""
     notes: list[str] = field(default_factory=list)
     """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
+    fp8: FP8Record | None = None
+    """Under ``"fp8-mixed"``: what the FP8 readings found (``None`` under the other precisions)."""
     replayed: dict[int, str | None] = field(default_factory=dict)
     """Skipped steps the autopsy replayed, and the kind of cause it found (``"forward"``, ``"scale"``,
     ``"backward"``), or ``None`` when the replay at the same scale found every gradient finite. A cause found again

@@ -1,8 +1,9 @@
-"""The debug file the monitor's ``on_nonfinite="stop"`` policy saves: what is needed to debug a non-finite finding."""
+"""What a non-finite finding of the monitor does (``on_nonfinite``), and the debug file its ``"stop"`` policy saves."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -13,7 +14,57 @@ from lightning_amp_plus.monitor.history import AmpHistory
 from lightning_amp_plus.plugins.wrappers import user_names
 from lightning_amp_plus.step.sharding import local_view
 
-__all__ = ["save_debug_file"]
+__all__ = ["Finding", "handle_finding", "save_debug_file"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Parameters (or unguarded gradients) the monitor found holding inf/NaN.
+
+    Attributes:
+        kind: ``"parameters"`` or ``"gradients"``.
+        names: the parameters' names (empty: nothing found).
+        step: the global step it is reported at.
+        named: the model's parameters by name (the debug file's gradients; dropped for ``"gradients"`` under stop).
+        history: the run's history (the event is appended to it).
+    """
+
+    kind: str
+    names: list[str]
+    step: int
+    named: list[tuple[str, Tensor]]
+    history: AmpHistory
+
+
+def handle_finding(
+    policy: str, found: Finding, trainer: pl.Trainer | None, module: nn.Module, warn: Callable[[str], None]
+) -> Path | None:
+    """Record ``found`` and act on it by ``policy``; return the debug file's path under ``"stop"``, else ``None``.
+
+    ``"warn"`` names the parameters, ``"raise"`` raises ``FloatingPointError`` with the same sentence, ``"stop"``
+    saves the debug file, asks the Trainer (if any) to stop and, for gradients nothing else guards, drops them so
+    that the optimizer leaves the parameters alone.
+    """
+    kind, names, step = found.kind, found.names, found.step
+    if not names:
+        return None
+    found.history.nonfinite_events.append((step, kind, names))
+    shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+    message = f"MixedPrecisionMonitor: non-finite {kind} at step {step}: {shown}."
+    if policy == "raise":
+        raise FloatingPointError(message + " (on_nonfinite='raise')")
+    if policy == "warn":
+        warn(message)
+        return None
+    path = save_debug_file(trainer, module, kind, names, step, found.named, found.history)
+    if trainer is not None:
+        trainer.should_stop = True
+    if kind == "gradients":
+        # Nothing else guards this step: drop its gradients so the optimizer leaves the parameters alone.
+        for _, param in found.named:
+            param.grad = None
+    warn(f"{message} Training stops; what you need to debug it is in {path}.")
+    return path
 
 
 def save_debug_file(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning_amp_plus._wording import plural, spans
+from lightning_amp_plus.monitor.fp8 import fp8_sentences
 from lightning_amp_plus.monitor.history import ROUTINE, AmpHistory, StepEntry, batches, scale_text
 
 __all__ = ["summary"]
@@ -65,6 +66,8 @@ def summary(history: AmpHistory) -> str:
     elif overflows:
         first = f", the first at step {routine[0][0]} in {_names(routine[0][2])}" if routine else ""
         parts.append(f"skipped for non-finite gradients{first}")
+    if history.fp8 is not None:
+        parts.extend(fp8_sentences(history.fp8))
     memory = [r.memory_mb for r in records if r.memory_mb is not None]
     if memory:
         parts.append(f"peak {history.memory_kind} {max(memory):,.0f} MB")
@@ -163,13 +166,13 @@ def _autopsy_and_headroom(history: AmpHistory) -> list[str]:
 
 
 def _headroom_sentence(step: int, reading: dict[str, Any]) -> str:
-    # float16's and float8_e4m3fn's ranges are the ones activations can outgrow (bfloat16's is float32's).
+    # float16's range is the one activations can outgrow (bfloat16's is float32's). No float8 figure: every FP8
+    # recipe scales each tensor so that its largest value lands at float8's top, so an unscaled one would mislead
+    # (under fp8-mixed, the FP8 readings say what the casts lose).
     tightest, layer = min(reading.items(), key=lambda item: item[1].headroom_bits["float16"])
-    bits = layer.headroom_bits
     text = (
         f"headroom at step {step}: the tightest layer is `{tightest or 'model'}` (activations up to "
-        f"{layer.act_absmax:.3g}: {bits['float16']:.1f} bits below float16's largest value, "
-        f"{bits['float8_e4m3fn']:.1f} below float8_e4m3fn's)"
+        f"{layer.act_absmax:.3g}: {layer.headroom_bits['float16']:.1f} bits below float16's largest value)"
     )
     flushed = [(name, entry) for name, entry in reading.items() if entry.grad_flushed_pct == entry.grad_flushed_pct]
     if flushed:

@@ -20,7 +20,7 @@ SOURCE_LINE = re.compile(r"\.py:\d+")  # how Python words a warning's origin: /p
     ("argv", "error"),
     [
         (["train", "--precision", "fp16"], "amp-plus train: error: argument --precision: invalid choice: 'fp16'; did "
-         "you mean '16-mixed'? (choose from 'auto', '32-true', '16-mixed', 'bf16-mixed', 'bf16-true')"),
+         "you mean '16-mixed'? (choose from 'auto', '32-true', '16-mixed', 'bf16-mixed', 'bf16-true', 'fp8-mixed')"),
         (["train", "--precision", "bf16"], "invalid choice: 'bf16'; did you mean 'bf16-mixed'?"),
         (["train", "--precision", "FP32"], "invalid choice: 'FP32'; did you mean '32-true'?"),
         (["train", "--precision=float16"], "invalid choice: 'float16'; did you mean '16-mixed'?"),
@@ -68,9 +68,9 @@ def test_version_prints_the_packages_version_and_exits_0() -> None:
 
 
 def test_a_flag_far_from_any_other_gets_no_guess() -> None:
-    done = amp_plus("train", "--precision", "fp8", timeout=60)
+    done = amp_plus("train", "--precision", "int4", timeout=60)  # (fp8 is near fp8-mixed now)
     assert done.returncode == 2
-    assert "invalid choice: 'fp8' (choose from" in done.stderr and "did you mean" not in done.stderr
+    assert "invalid choice: 'int4' (choose from" in done.stderr and "did you mean" not in done.stderr
 
 
 def test_train_without_a_model_says_it_chose_cnn_and_words_warnings_as_sentences_without_lightnings_noise() -> None:
