@@ -4,7 +4,8 @@
   batch (with the LR scheduler held, gradient clipping on, and under fp16 the same loss scale at the end).
 * ``action="clip"``: equals the built-in's run where a hook clips the spike's gradients to the guard's limit with
   ``clip_grad_norm_`` before Lightning's own clipping.
-* A run resumed from a checkpoint judges as the uninterrupted run (the guard's statistics are in the plugin's state).
+* A run resumed from a Trainer checkpoint or from `fabric.save` judges as the uninterrupted run (the guard's statistics
+  are in the plugin's state).
 * Refusals name the argument, the value and the fix.
 """
 
@@ -173,6 +174,43 @@ def test_fabric_a_skipped_spike_equals_fabrics_run_without_the_batch(precision: 
     if fp16:  # ours moves the scale at the next backward, or when its state is read
         assert ours_plugin.state_dict()["scaler"]["scale"] == scaler.get_scale()  # type: ignore[union-attr]
     assert ours_plugin.state_dict()["spike_guard"][0]["steps"] == STEPS - 1
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_fabric_a_run_resumed_from_fabric_save_judges_as_the_uninterrupted_one(precision: str, tmp_path: Path) -> None:
+    def plugin() -> amp_fabric.MixedPrecisionPlugin:
+        fp16 = precision == "16-mixed"
+        scaler = DynamicLossScaler(init_scale=START_SCALE, growth_interval=GROWTH) if fp16 else None
+        return amp_fabric.MixedPrecisionPlugin(
+            precision, device="cpu", scaler=scaler, spike_guard=SpikeGuard(warmup=WARMUP)
+        )  # type: ignore[arg-type]
+
+    def run(amp: Any, data: list[tuple[Tensor, Tensor, float]], load: Path | None, save: Path | None) -> Tensor:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[amp])
+        torch.manual_seed(0)
+        net = make_net()
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=0.01, foreach=True))
+        state = {"model": model, "optimizer": optimizer, "amp": amp}
+        if load is not None:
+            fabric.load(load, state)
+        for x, y, factor in data:
+            fabric.backward(mse(model, (x, y)) * factor)
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP, error_if_nonfinite=False)
+            optimizer.step()
+            optimizer.zero_grad()
+        if save is not None:
+            fabric.save(save, state)
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+    whole_plugin, first_plugin, resumed_plugin = plugin(), plugin(), plugin()
+    whole = run(whole_plugin, batches(), None, None)
+    run(first_plugin, batches()[: SPIKE - 1], None, tmp_path / "mid.ckpt")
+    # A guard that started afresh at the resume would still be warming up at the spike, and take it.
+    resumed = run(resumed_plugin, batches()[SPIKE - 1 :], tmp_path / "mid.ckpt", None)
+    torch.testing.assert_close(resumed, whole, rtol=0, atol=0)
+    assert resumed_plugin.recent_steps[1].spike_verdict == whole_plugin.recent_steps[SPIKE].spike_verdict
+    assert whole_plugin.recent_steps[SPIKE].spike_verdict.spike and resumed_plugin.skipped_steps == 1
+    assert resumed_plugin.state_dict()["spike_guard"] == whole_plugin.state_dict()["spike_guard"]
 
 
 # ----------------------------------------------------------------------------------------------------- refusals
