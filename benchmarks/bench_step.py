@@ -34,11 +34,15 @@ How
     what the guard costs a step (its verdict from the norm the check measures anyway, and its statistics). Target
     (reported): <= 1.01x.
 
+    With ``--check-off``, bf16's "ours" is built with ``skip_nonfinite=False`` (no check, no norm, nothing skipped):
+    against Lightning, what the rest of our step costs; beside the plain run, what the check costs.
+
 Run
     python benchmarks/bench_step.py            # about 3-4 minutes on 2 CPU cores (capped by --budget-s)
     python benchmarks/bench_step.py --quick    # under a minute: a smoke test
     python benchmarks/bench_step.py --threads 1   # steadier on a machine shared with other processes
     python benchmarks/bench_step.py --spike-guard --precisions bf16-mixed 16-mixed --threads 1
+    python benchmarks/bench_step.py --check-off --precisions 32-true bf16-mixed --threads 1
 """
 
 from __future__ import annotations
@@ -110,12 +114,24 @@ class Config(Side):
     trainer_kwargs: Callable[[], dict[str, Any]] = dict
 
 
-def _pairs(precisions: list[str], guard: bool = False) -> dict[str, tuple[Config, Config]]:
+def _pairs(precisions: list[str], guard: bool = False, check_off: bool = False) -> dict[str, tuple[Config, Config]]:
     """For each precision, (ours, Lightning's), or with ``guard`` (ours with a spike guard, ours); for 32-true, the same
-    configuration twice (A, B)."""
+    configuration twice (A, B). With ``check_off``, bf16's "ours" is built with ``skip_nonfinite=False``."""
     table: dict[str, tuple[Config, Config]] = {}
     for precision in precisions:
-        if guard and precision != "32-true":
+        if check_off and precision == "bf16-mixed":
+            table[precision] = (
+                Config(
+                    "ours bf16-mixed, no check",
+                    trainer_kwargs=lambda: {
+                        "plugins": [MixedPrecisionPlugin("bf16-mixed", device="cpu", skip_nonfinite=False)]
+                    },
+                ),
+                Config(
+                    "Lightning bf16-mixed", trainer_kwargs=lambda: {"plugins": [MixedPrecision("bf16-mixed", "cpu")]}
+                ),
+            )
+        elif guard and precision != "32-true":
             table[precision] = (
                 Config(
                     f"ours {precision} + guard",
@@ -180,13 +196,20 @@ def main() -> None:
     parser.add_argument(
         "--spike-guard", action="store_true", help="ours with a SpikeGuard() against ours without, at each precision"
     )
+    parser.add_argument(
+        "--check-off",
+        action="store_true",
+        help="at bf16-mixed, ours with skip_nonfinite=False (no check, no norm) against Lightning",
+    )
     add_plan_arguments(parser, DEFAULTS)
     args = parser.parse_args()
+    if args.check_off and args.spike_guard:
+        parser.error("--check-off and --spike-guard: choose one (a guard needs the check)")
 
     quiet(".*fp16 autocast is correct there but slow.*")
     run_plan = plan(args, DEFAULTS)
     rounds, budget, warmup, steps = run_plan.rounds, run_plan.budget_s, run_plan.warmup, run_plan.steps
-    pairs = _pairs(args.precisions, args.spike_guard)
+    pairs = _pairs(args.precisions, args.spike_guard, args.check_off)
     target_ratio = _GUARD_TARGET if args.spike_guard else _TARGET
     a_name, b_name = ("ours + guard", "ours") if args.spike_guard else ("ours", "Lightning")
 

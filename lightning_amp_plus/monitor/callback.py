@@ -350,6 +350,7 @@ class MixedPrecisionMonitor(Callback):
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
         if not isinstance(self._source, EngineSteps) or self._source.engine is not engine:
+            engine.measure_norm = True  # read from here on (a DynamicLossScaler on its own measures no norm)
             self._start(EngineSteps(plugin, from_first=True), None, plugin, from_first=True)
         steps = self._source.take()
         if not steps:

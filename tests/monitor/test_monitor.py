@@ -774,3 +774,21 @@ def test_the_step_that_stops_a_run_is_in_the_history_too():
         fit(Faulty(overflow_steps=range(100)), plugin, monitor=monitor)
     assert [record.step for record in monitor.history.steps] == [0, 1, 2]
     assert all(record.skipped for record in monitor.history.steps)
+
+
+def test_observing_a_plain_loops_scaler_measures_the_norm_from_then_on() -> None:
+    # A DynamicLossScaler on its own checks a plain step in GradScaler's one pass and measures no norm; the monitor
+    # reads the norm, so observing the scaler asks for it from the next step on (the first observed step has none).
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler, monitor = DynamicLossScaler(init_scale=2.0**8), MixedPrecisionMonitor()
+    logged = []
+    for _ in range(3):
+        scaler.scale(model(torch.randn(8, 4)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        logged.append(monitor.observe(scaler).get("amp/grad_norm"))
+    assert logged[0] is None and all(isinstance(norm, float) and norm > 0 for norm in logged[1:])
+    assert [entry.grad_norm is not None for entry in monitor.history.steps] == [False, True, True]
