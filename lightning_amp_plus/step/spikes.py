@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 from lightning_amp_plus._checks import COUNTER_MAX, check_int, check_real, is_int, real, show
 from lightning_amp_plus.step.float32 import f32
+from lightning_amp_plus.step.positions import ByPosition
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_THRESHOLD", "DEFAULT_WARMUP", "SpikeGuard", "SpikeGuards", "SpikeVerdict"]
 
@@ -288,7 +289,8 @@ class SpikeGuards:
     loaded before an optimizer's guard is made waits, by position, until it is (Fabric meets its optimizers at their
     first step).
 
-    State: the guards by optimizer position, and the states loaded for positions that have none yet.
+    State: the guards by optimizer position, and the states loaded for positions that have none yet (a
+    :class:`~.positions.ByPosition`).
 
     Examples:
         >>> guards = SpikeGuards(SpikeGuard(warmup=0))
@@ -305,22 +307,16 @@ class SpikeGuards:
                 "`spike_guard=SpikeGuard()` (or `SpikeGuard(action='clip')`), or None for no guard."
             )
         self.guard = guard
-        self._made: dict[int, SpikeGuard] = {}
-        self._waiting: dict[int, Mapping[str, Any]] = {}
+        self._guards: ByPosition[SpikeGuard] = ByPosition()
 
     def of(self, position: int) -> SpikeGuard:
         """The guard of the optimizer at ``position``, made and given any waiting state the first time."""
-        if position not in self._made:
-            made = self.guard if not self._made and position == 0 else _like(self.guard)
-            if position in self._waiting:
-                made.load_state_dict(self._waiting.pop(position))
-            self._made[position] = made
-        return self._made[position]
+        first = not self._guards.made and position == 0
+        return self._guards.get(position, lambda: self.guard if first else _like(self.guard))
 
     def state_dict(self) -> list[dict[str, Any] | None]:
         """Each position's guard state (``None`` for a position with no guard yet)."""
-        slots = max(self._made, default=-1) + 1
-        return [self._made[i].state_dict() if i in self._made else None for i in range(slots)]
+        return self._guards.state_dict()
 
     def load_state_dict(self, states: list[Mapping[str, Any] | None]) -> None:
         """Load each position's state into its guard, or keep it until that guard is made (checked then).
@@ -332,13 +328,7 @@ class SpikeGuards:
             raise TypeError(
                 f"A spike guard state must be a list of SpikeGuard states (one per optimizer), got {show(states)}."
             )
-        for position, saved in enumerate(states):
-            if saved is None:
-                continue
-            if position in self._made:
-                self._made[position].load_state_dict(saved)
-            else:
-                self._waiting[position] = saved
+        self._guards.load_state_dict(states)
 
 
 def _like(guard: SpikeGuard) -> SpikeGuard:

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from lightning_amp_plus._checks import check_int, show
+from lightning_amp_plus.step.positions import ByPosition
 from lightning_amp_plus.step.sharding import local_view
 
 __all__ = [
@@ -632,7 +633,8 @@ class Compensators:
     A front end may meet its optimizers only at their first step (Fabric): a state loaded before then waits, by
     position, until the optimizer's compensator is made.
 
-    State: the compensators by optimizer position, and the states loaded for positions that have none yet.
+    State: the compensators by optimizer position, and the states loaded for positions that have none yet (a
+    :class:`~lightning_amp_plus.step.positions.ByPosition`).
 
     Examples:
         >>> w = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16)); opt = torch.optim.SGD([w], lr=0.1)
@@ -644,8 +646,7 @@ class Compensators:
     def __init__(self, method: Method, seed: int = 0) -> None:
         self.method: Method = method
         self.seed = seed
-        self._made: dict[int, Compensator] = {}
-        self._waiting: dict[int, dict[str, Any]] = {}
+        self._compensators: ByPosition[Compensator] = ByPosition()
 
     def of(self, optimizer: torch.optim.Optimizer, position: int) -> Compensator:
         """The compensator of ``optimizer`` (at ``position``), made and given any waiting state the first time.
@@ -653,31 +654,19 @@ class Compensators:
         Raises:
             TypeError: ``optimizer`` is not one the compensated update implements (before any step).
         """
-        if position not in self._made:
-            compensator = Compensator(optimizer, self.method, seed=self.seed)
-            if position in self._waiting:
-                compensator.load_state_dict(self._waiting.pop(position))
-            self._made[position] = compensator
-        return self._made[position]
+        return self._compensators.get(position, lambda: Compensator(optimizer, self.method, seed=self.seed))
 
     def footprints(self) -> list[Footprint]:
         """Each optimizer's bytes of weights, compensation buffers and state, counted from the tensors."""
-        return [footprint(c.optimizer, c) for c in self._made.values()]
+        return [footprint(c.optimizer, c) for c in self._compensators.made.values()]
 
     def state_dict(self) -> list[dict[str, Any] | None]:
         """Each position's compensator state (``None`` for a position with none)."""
-        slots = max(self._made, default=-1) + 1
-        return [self._made[i].state_dict() if i in self._made else None for i in range(slots)]
+        return self._compensators.state_dict()
 
     def load_state_dict(self, states: list[dict[str, Any] | None]) -> None:
         """Load each position's state into its compensator, or keep it until that compensator is made."""
-        for position, saved in enumerate(states):
-            if saved is None:
-                continue
-            if position in self._made:
-                self._made[position].load_state_dict(saved)
-            else:
-                self._waiting[position] = saved
+        self._compensators.load_state_dict(states)
 
 
 def _checked_state(param: Tensor, key: Any, tensor: Any, position: str) -> Tensor:
