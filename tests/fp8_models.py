@@ -143,19 +143,6 @@ class GPTModule(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
 
 
-def trainer(**kwargs: Any) -> pl.Trainer:
-    options: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "enable_checkpointing": False,
-        "max_epochs": 1,
-    }
-    return pl.Trainer(**{**options, **kwargs})
-
-
 def assert_same_parameters(ours: nn.Module, reference: nn.Module, what: str) -> None:
     pairs = list(zip(ours.named_parameters(), reference.named_parameters(), strict=True))
     for (name, a), (_, b) in pairs:

@@ -16,7 +16,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from fp8_models import CPU_EMULATED, LAYER, LR, Faults, GPTModule, gpt, lm_loss, loader, tokens, trainer
+from fp8_models import CPU_EMULATED, LAYER, LR, Faults, GPTModule, gpt, lm_loss, loader, tokens
+from helpers import make_trainer
 
 pytest.importorskip("torchao.float8", reason="fp8-mixed needs torchao (the fp8 extra)")
 pytest.importorskip("litgpt", reason="the model is litgpt's GPT")
@@ -32,7 +33,7 @@ FLUSH_WARNING = r"FP8 layer `gpt\.transformer\.h\.0\.mlp\.proj` flushed .*% of i
 
 
 def fit(plugin: MixedPrecisionPlugin, monitor: MixedPrecisionMonitor, module: GPTModule, steps: int) -> Any:
-    run = trainer(plugins=[plugin], callbacks=[monitor], max_steps=steps)
+    run = make_trainer(plugins=[plugin], callbacks=[monitor], max_steps=steps)
     run.fit(module, loader(range(steps)))
     return run
 

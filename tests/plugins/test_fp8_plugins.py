@@ -30,8 +30,8 @@ from fp8_models import (
     loader,
     tokens,
     torchao_reference,
-    trainer,
 )
+from helpers import make_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 
@@ -84,10 +84,10 @@ def fabric_bf16(recipe: str, steps: list[int]) -> nn.Module:
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_trainer_plugin_equals_torchao_under_lightnings_bf16_mixed_bit_for_bit(recipe: str) -> None:
     reference = GPTModule(recipe)
-    trainer(precision="bf16-mixed").fit(reference, loader(range(STEPS)))
+    make_trainer(precision="bf16-mixed").fit(reference, loader(range(STEPS)))
     plugin = MixedPrecisionPlugin("fp8-mixed", fp8_recipe=recipe, fp8_check_interval=2)
     ours = GPTModule()
-    trainer(plugins=[plugin]).fit(ours, loader(range(STEPS)))
+    make_trainer(plugins=[plugin]).fit(ours, loader(range(STEPS)))
     assert len(plugin.fp8.layers) == LINEARS and ours.converted_when_optimizers_were_made
     assert [check.step for check in plugin.fp8.checks] == [0, 2]  # readings on check steps change nothing
     assert_same_parameters(ours, reference, f"{recipe} after {STEPS} steps")
@@ -107,10 +107,10 @@ def test_the_fabric_plugin_equals_torchao_under_fabrics_bf16_mixed_bit_for_bit(r
 def test_a_nan_in_an_fp8_layer_is_skipped_and_the_run_equals_the_run_without_that_batch_under_the_trainer() -> None:
     steps = list(range(STEPS + 1))
     reference = GPTModule("tensorwise")
-    trainer(precision="bf16-mixed").fit(reference, loader([s for s in steps if s != FAULT_STEP]))
+    make_trainer(precision="bf16-mixed").fit(reference, loader([s for s in steps if s != FAULT_STEP]))
     plugin = MixedPrecisionPlugin("fp8-mixed")
     ours = GPTModule(faulty=[FAULT_STEP])
-    trainer(plugins=[plugin]).fit(ours, loader(steps))
+    make_trainer(plugins=[plugin]).fit(ours, loader(steps))
     assert plugin.skipped_steps == 1 and plugin.recent_steps[FAULT_STEP].overflowed
     layers = plugin.fp8.nonfinite_layers()  # named as the LightningModule's named_modules() names them
     assert layers[0] == f"gpt.{LAYER}" and set(layers) == set(plugin.fp8.layers)  # the origin first, then its spread
@@ -150,14 +150,14 @@ def test_a_fused_optimizers_skip_keeps_the_flags_until_they_are_asked_for() -> N
 def test_nothing_is_converted_twice_by_validate_test_and_a_second_fit() -> None:
     plugin = MixedPrecisionPlugin("fp8-mixed")
     module = GPTModule()
-    fit = trainer(plugins=[plugin], limit_val_batches=1)
+    fit = make_trainer(plugins=[plugin], limit_val_batches=1)
     fit.fit(module, loader(range(2)), loader([10]))
     layers = plugin.fp8.layers
     assert len(layers) == LINEARS
     (validated,) = fit.validate(module, loader([11]), verbose=False)  # inference_mode=True: Lightning's default
     (tested,) = fit.test(module, loader([12]), verbose=False)
     predictions = fit.predict(module, loader([13]))
-    trainer(plugins=[plugin], max_epochs=1).fit(module, loader(range(2, 4)))
+    make_trainer(plugins=[plugin], max_epochs=1).fit(module, loader(range(2, 4)))
     assert plugin.fp8.layers == layers and all(type(layer) is Float8Linear for layer in layers.values())
     assert sum(isinstance(m, Float8Linear) for m in module.modules()) == LINEARS
     assert torch.isfinite(torch.tensor([validated["val_loss"], tested["test_loss"]])).all()
@@ -167,7 +167,7 @@ def test_nothing_is_converted_twice_by_validate_test_and_a_second_fit() -> None:
 def test_validate_predict_with_inference_mode_equal_fits_no_grad_validation() -> None:
     plugin = MixedPrecisionPlugin("fp8-mixed")
     module = GPTModule()
-    run = trainer(plugins=[plugin])
+    run = make_trainer(plugins=[plugin])
     assert run.predict_loop.inference_mode  # premise: Lightning's default
     (predicted,) = run.predict(module, loader([7]))  # a model nobody trained: converted for evaluation
     assert len(plugin.fp8.layers) == LINEARS
@@ -195,8 +195,8 @@ def test_on_cpu_the_plugin_warns_once_that_fp8_is_emulated() -> None:
     # Recorded, not pytest.warns: that re-emits Lightning's own remarks past the suite's filters when it exits.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer(plugins=[plugin], max_steps=1).fit(GPTModule(), loader(range(1)))
-        trainer(plugins=[plugin], max_steps=2).fit(GPTModule(), loader(range(1)))
+        make_trainer(plugins=[plugin], max_steps=1).fit(GPTModule(), loader(range(1)))
+        make_trainer(plugins=[plugin], max_steps=2).fit(GPTModule(), loader(range(1)))
     ours = [w for w in caught if "emulates" in str(w.message)]
     assert len(ours) == 1 and ours[0].category is UserWarning
     assert re.match(r"MixedPrecisionPlugin\('fp8-mixed'\) on CPU: torch emulates", str(ours[0].message))
@@ -224,7 +224,7 @@ def test_the_trainer_plugin_falls_back_a_flushing_layer_warns_and_a_resumed_run_
     module = GPTModule(faulty=range(100), factor=OUTLIER)
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     with pytest.warns(UserWarning, match=rf"FP8 layer `gpt\.{LAYER}` flushed .*% of its input cast"):
-        trainer(plugins=[plugin], max_steps=3, enable_checkpointing=True, callbacks=[checkpoints]).fit(
+        make_trainer(plugins=[plugin], max_steps=3, enable_checkpointing=True, callbacks=[checkpoints]).fit(
             module, loader(range(3))
         )
     assert plugin.fp8.fallen_back == [f"gpt.{LAYER}"] and type(module.gpt.get_submodule(LAYER)) is nn.Linear
@@ -233,7 +233,7 @@ def test_the_trainer_plugin_falls_back_a_flushing_layer_warns_and_a_resumed_run_
 
     resumed = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=1)
     again = GPTModule()
-    resuming = trainer(plugins=[resumed], max_steps=4, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints])
+    resuming = make_trainer(resumed, max_steps=4, max_epochs=2, enable_checkpointing=True, callbacks=[checkpoints])
     resuming.fit(again, loader(range(3)), ckpt_path=tmp_path / "last.ckpt")
     assert resumed.fp8.fallen_back == [f"gpt.{LAYER}"] and type(again.gpt.get_submodule(LAYER)) is nn.Linear
     assert len(resumed.fp8.layers) == LINEARS - 1
@@ -266,7 +266,7 @@ def test_the_fabric_plugin_falls_back_and_fabric_save_load_keeps_it(tmp_path: Pa
 def test_fp8_fallback_none_reads_and_never_falls_back() -> None:
     plugin = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=1, fp8_fallback=None)
     module = GPTModule(faulty=range(100), factor=OUTLIER)
-    trainer(plugins=[plugin], max_steps=3).fit(module, loader(range(3)))
+    make_trainer(plugins=[plugin], max_steps=3).fit(module, loader(range(3)))
     assert plugin.fp8.fallen_back == [] and len(plugin.fp8.layers) == LINEARS
     flushed = [r.flushed_pct for check in plugin.fp8.checks for r in check.readings if r.layer == f"gpt.{LAYER}"]
     assert len(plugin.fp8.checks) == 3 and max(flushed) > 1.0

@@ -25,7 +25,8 @@ import lightning as L
 import pytest
 import torch
 from fabric_loops import fabrics
-from fp8_models import CONFIG, CPU_EMULATED, LINEARS, LR, GPTModule, assert_same_parameters, loader, tokens, trainer
+from fp8_models import CONFIG, CPU_EMULATED, LINEARS, LR, GPTModule, assert_same_parameters, loader, tokens
+from helpers import make_trainer
 from lightning.fabric.plugins.precision import Precision
 from torch import nn
 
@@ -93,10 +94,10 @@ def test_litgpts_pretraining_loop_in_fp8_mixed_equals_torchao_under_fabrics_bf16
 def test_litgpts_gpt_under_the_trainer_with_accumulation_and_clipping_equals_torchao_bit_for_bit() -> None:
     features = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "max_steps": STEPS}
     theirs = GPTModule("tensorwise")
-    trainer(precision="bf16-mixed", **features).fit(theirs, loader(range(2 * STEPS)))
+    make_trainer(precision="bf16-mixed", **features).fit(theirs, loader(range(2 * STEPS)))
     plugin = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=2)
     mine = GPTModule()
-    trainer(plugins=[plugin], **features).fit(mine, loader(range(2 * STEPS)))
+    make_trainer(plugins=[plugin], **features).fit(mine, loader(range(2 * STEPS)))
     assert len(plugin.fp8.layers) == LINEARS and len(plugin.recent_steps) == STEPS
     assert [check.step for check in plugin.fp8.checks] == [0, 2]
     assert_same_parameters(mine, theirs, "under accumulation and clipping")
@@ -200,7 +201,7 @@ def test_hooks_registered_on_a_linear_before_set_up_still_run_under_both_front_e
 
     module = GPTModule()
     hooked("trainer")(module.gpt)
-    trainer(plugins=[MixedPrecisionPlugin("fp8-mixed")], max_steps=2).fit(module, loader(range(2)))
+    make_trainer(plugins=[MixedPrecisionPlugin("fp8-mixed")], max_steps=2).fit(module, loader(range(2)))
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[amp_fabric.MixedPrecisionPlugin("fp8-mixed")])
     model = fabric.setup_module(hooked("fabric")(litgpt.GPT(litgpt.Config(**CONFIG))))
     model(tokens(0)[:, :-1])

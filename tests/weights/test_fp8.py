@@ -25,6 +25,7 @@ from torch import Tensor, nn
 torchao_float8 = pytest.importorskip("torchao.float8", reason="FP8 training needs torchao (the fp8 extra)")
 litgpt = pytest.importorskip("litgpt", reason="the reference model is litgpt's GPT")
 
+from fp8_models import CONFIG, LINEARS, gpt, torchao_reference  # noqa: E402
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
@@ -34,22 +35,11 @@ from lightning_amp_plus.weights.fp8 import (  # noqa: E402
     FallbackRule,
     FP8Training,
     convert_in_place,
-    eligible,
 )
 
-CONFIG = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32, "vocab_size": 64, "padded_vocab_size": 64}
-LINEARS = 9  # per block qkv, proj, mlp.fc, mlp.proj; and lm_head
 STEPS = 4
 OUTLIER_LAYER = "transformer.h.0.mlp.proj"
 CLEAN_LIMIT_PCT = 0.1  # "layers not touched stay near 0": <= 0.09% was measured on a larger trained GPT
-# torchao 0.18 on CPU leaves a layer's input FP32 under CPU autocast (it casts only under CUDA autocast): fine for these
-# two, while rowwise_with_gw_hp's bf16 weight-gradient GEMM then fails; its reference casts the input as CUDA does.
-RUNS_ON_CPU_UNDER_TORCHAO = ("tensorwise", "rowwise")
-
-
-def gpt(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return litgpt.GPT(litgpt.Config(**CONFIG))
 
 
 def tokens(step: int, batch: int = 4) -> tuple[Tensor, Tensor]:
@@ -89,21 +79,6 @@ def train(
             fp8.end_step()
         losses.append(loss.item())
     return optimizer, losses
-
-
-def cast_input_as_cuda_autocast_does(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """torchao's ``Float8Linear.forward`` under CUDA autocast: ``input.to(autocast dtype)``, here for CPU's."""
-    return (args[0].to(torch.get_autocast_dtype("cpu")), *args[1:]) if torch.is_autocast_enabled("cpu") else args
-
-
-def torchao_reference(recipe: str, model: nn.Module) -> nn.Module:
-    """torchao's own conversion, same config and filter (the input cast of CUDA autocast for rowwise_with_gw_hp)."""
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=eligible)
-    if recipe not in RUNS_ON_CPU_UNDER_TORCHAO:
-        for module in model.modules():
-            if isinstance(module, Float8Linear):
-                module.register_forward_pre_hook(cast_input_as_cuda_autocast_does)
-    return model
 
 
 def assert_same_parameters(ours: nn.Module, reference: nn.Module, what: str) -> None:
