@@ -35,9 +35,8 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from _ab import Defaults, Ratio, Side, add_plan_arguments, load, plan, quiet, run_interleaved  # same directory
-from bench_step import StepTimer  # same directory
+from bench_step import timed_fit  # same directory
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
 from lightning_amp_plus.weights.master import refuse_half_masters
@@ -72,23 +71,8 @@ def run_once(master_weights: bool, steps: int, warmup: int, seed: int) -> list[f
     """One fresh Trainer.fit of ``warmup + steps`` steps; the timed step times in seconds."""
     pl.seed_everything(seed, verbose=False)
     model = MobileNet()
-    gen = torch.Generator().manual_seed(seed)
-    n = (warmup + steps) * _BATCH
-    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 4, (n,), generator=gen))
-    timer = StepTimer()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        max_steps=warmup + steps,
-        callbacks=[timer],
-        plugins=[MixedPrecisionPlugin("bf16-mixed", device="cpu", master_weights=master_weights)],
-    )
-    trainer.fit(model, DataLoader(data, batch_size=_BATCH, shuffle=False))
-    return timer.times[warmup:]
+    plugin = MixedPrecisionPlugin("bf16-mixed", device="cpu", master_weights=master_weights)
+    return timed_fit(model, 4, seed, warmup, steps, f"master_weights={master_weights}", plugins=[plugin])
 
 
 DEFAULTS = Defaults(rounds=(8, 2), budget_s=(120.0, 30.0), warmup=(5, 3), steps={"bf16-mixed": (40, 10)})

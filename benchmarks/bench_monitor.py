@@ -52,9 +52,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from _ab import Defaults, Ratio, Side, add_plan_arguments, load, plan, quiet, run_interleaved, verdict  # same directory
-from bench_step import SmallCNN  # same directory: the CNN of the step benchmark
+from bench_step import SmallCNN, random_images  # same directory: the CNN and data of the step benchmark
 from lightning.pytorch.loggers import CSVLogger
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
 
@@ -86,9 +86,7 @@ def run_once(precision: str, logger: str, monitored: bool, steps: int, warmup: i
     pl.seed_everything(seed, verbose=False)
     model = SmallCNN()
     batches = warmup + steps + 1  # the last batch only closes the interval of the one before
-    gen = torch.Generator().manual_seed(seed)
-    n = batches * _BATCH
-    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+    data = random_images(batches * _BATCH, 10, seed)
     clock = BatchStartClock()
     callbacks: list[pl.Callback] = [clock]
     if monitored:

@@ -159,13 +159,19 @@ def _pairs(precisions: list[str], guard: bool = False, check_off: bool = False) 
     return table
 
 
-def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
-    """One fresh Trainer.fit of ``warmup + steps`` steps; returns the timed (post-warm-up) step times in seconds."""
-    pl.seed_everything(seed, verbose=False)
-    model = SmallCNN()
+def random_images(count: int, classes: int, seed: int) -> TensorDataset:
+    """``count`` random 32x32 RGB images with random labels among ``classes``, the same for a given seed."""
     gen = torch.Generator().manual_seed(seed)
-    n = (warmup + steps) * _BATCH
-    data = TensorDataset(torch.randn(n, 3, 32, 32, generator=gen), torch.randint(0, 10, (n,), generator=gen))
+    return TensorDataset(
+        torch.randn(count, 3, 32, 32, generator=gen), torch.randint(0, classes, (count,), generator=gen)
+    )
+
+
+def timed_fit(
+    model: pl.LightningModule, classes: int, seed: int, warmup: int, steps: int, label: str, **trainer_kwargs: Any
+) -> list[float]:
+    """One fresh quiet CPU ``Trainer.fit`` of ``warmup + steps`` steps on :func:`random_images` in batches of
+    ``_BATCH``; the timed (post-warm-up) step times in seconds."""
     timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -176,12 +182,19 @@ def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
         enable_checkpointing=False,
         max_steps=warmup + steps,
         callbacks=[timer],
-        **config.trainer_kwargs(),
+        **trainer_kwargs,
     )
+    data = random_images((warmup + steps) * _BATCH, classes, seed)
     trainer.fit(model, DataLoader(data, batch_size=_BATCH, shuffle=False))
     if len(timer.times) != warmup + steps:
-        raise RuntimeError(f"{config.label}: expected {warmup + steps} steps, timed {len(timer.times)}")
+        raise RuntimeError(f"{label}: expected {warmup + steps} steps, timed {len(timer.times)}")
     return timer.times[warmup:]
+
+
+def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
+    """One fresh Trainer.fit of ``warmup + steps`` steps; returns the timed (post-warm-up) step times in seconds."""
+    pl.seed_everything(seed, verbose=False)
+    return timed_fit(SmallCNN(), 10, seed, warmup, steps, config.label, **config.trainer_kwargs())
 
 
 DEFAULTS = Defaults(
