@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
+import sys
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import lightning.pytorch as pl
@@ -365,3 +368,13 @@ def fake_network(monkeypatch: pytest.MonkeyPatch) -> FakeNetwork:
 
     monkeypatch.setattr(urllib.request, "urlopen", refuse)
     return fake
+
+
+def load_script(path: Path, module_name: str) -> ModuleType:
+    """Import a script that is not in a package (an example, a benchmark) as ``module_name``, fresh each call."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look a module up by its name
+    spec.loader.exec_module(module)
+    return module

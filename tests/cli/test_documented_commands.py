@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.util
 import io
 import re
 import shlex
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from helpers import load_script
 from processes import REPO
 
 from lightning_amp_plus.cli import main
@@ -145,12 +144,7 @@ def guarded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"documented_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"documented_{name}")
 
 
 def tiny_amp_plus(words: list[str]) -> list[str]:

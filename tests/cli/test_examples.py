@@ -13,6 +13,7 @@ from types import ModuleType
 
 import processes
 import pytest
+from helpers import load_script
 
 pytestmark = pytest.mark.integration  # starts processes or runs whole commands
 
@@ -20,12 +21,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def test_plain_loop_skips_the_injected_overflow_and_learns(capsys: pytest.CaptureFixture[str]) -> None:

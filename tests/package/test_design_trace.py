@@ -7,12 +7,11 @@ issue's bounds for the reference case (16-mixed, clipping by norm: at most 30 fu
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 import warnings
 from pathlib import Path
-from types import ModuleType
+
+from helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 # The page's row names for the script's variants (the page says "clipping" where the script's table says "clip").
@@ -25,15 +24,6 @@ ROWS = {
 }
 
 
-def trace_step() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("trace_step", REPO / "benchmarks" / "trace_step.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("trace_step", module)  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 def stated() -> dict[str, tuple[int, int]]:
     """The page's "ours" columns: row name -> (functions, files)."""
     table = re.findall(r"^\| ([^|]+?) \| (\d+) \| (\d+) \|", (REPO / "docs" / "design.md").read_text(), re.MULTILINE)
@@ -41,7 +31,7 @@ def stated() -> dict[str, tuple[int, int]]:
 
 
 def test_the_design_page_states_what_one_step_runs_as_traced() -> None:
-    module = trace_step()
+    module = load_script(REPO / "benchmarks" / "trace_step.py", "trace_step")
     page = stated()
     measured = {}
     with warnings.catch_warnings():
