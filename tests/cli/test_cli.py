@@ -84,7 +84,7 @@ def test_without_threads_train_takes_the_idle_cores_and_says_so_on_its_first_lin
 
     monkeypatch.setattr(_machine, "idle_cores", lambda sample_s=0.1: idle)
     monkeypatch.setattr(_machine, "usable_cores", lambda: 2)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # a launcher earlier in the session may have set it
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # the cases without it must not take the shell's
     for name, value in environ.items():
         monkeypatch.setenv(name, value)
     seen: list[int] = []

@@ -11,6 +11,7 @@ backward overflows fp16 on its own at the first steps, and tests that count skip
 from __future__ import annotations
 
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterator
@@ -594,14 +595,18 @@ def single_process_ddp(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, An
     """Trainer arguments for DDP with one CPU process, so the model is really wrapped (names gain "module.").
 
     The variables Lightning sets for the process group are set here first, so that monkeypatch removes them again;
-    the process group is destroyed afterwards.
+    the process group is destroyed afterwards, and ``OMP_NUM_THREADS``, which Lightning's launcher sets in this process
+    when the test did not, is taken away again (later tests would otherwise run with it).
     """
     variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "LOCAL_RANK": "0"}
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
+    threads = os.environ.get("OMP_NUM_THREADS")
     yield {"strategy": "ddp", "devices": 1}
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def test_an_overflow_at_every_step_stops_training_with_a_diagnosis_naming_the_parameters(single_process_ddp):
