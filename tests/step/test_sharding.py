@@ -45,3 +45,27 @@ def test_a_gradient_held_by_two_ranks_counts_once_in_the_world_sum() -> None:
 def test_plain_tensors_are_their_own_local_view_and_held_by_the_given_replicas() -> None:
     grad = torch.ones(2)
     assert local_view(grad) is grad and holders(grad) == 1 and holders(grad, replicas=4) == 4
+
+
+def plain_step(sharding: Sharding | None, poison: bool) -> tuple[bool, list[torch.Tensor]]:
+    """A plain ``step()`` (no ``unscale_``: the one-pass check, no norm): whether it skipped, and the parameters."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    scaler.engine.sharding = sharding
+    scaler.scale(net(torch.randn(3, 4)).pow(2).sum()).backward()
+    if poison:
+        net[1].bias.grad[0] = math.nan  # type: ignore[index]
+    scaler.step(opt)
+    result = scaler.result(opt)
+    assert result is not None and result.grad_norm is None
+    return result.skipped, [p.detach().clone() for p in net.parameters()]
+
+
+def test_a_plain_step_with_sharding_checks_each_rank_shard_as_unsharded() -> None:
+    for poison in (False, True):
+        skipped, params = plain_step(None, poison)
+        sharded_skipped, sharded_params = plain_step(Sharding(replicas=1), poison)
+        assert sharded_skipped == skipped == poison
+        torch.testing.assert_close(sharded_params, params, rtol=0, atol=0)
