@@ -8,12 +8,12 @@ What is measured
     * ``roofline``: one in-place multiply over the same bytes (``flat.mul_(1.0)`` on the buffer the gradients live in;
       ``torch._foreach_mul_(grads, 1.0)`` is shown beside it). One read and one write of every gradient: nothing that
       must unscale the gradients can be faster.
-    * ``ours``: without clipping, the check ``DynamicLossScaler.step`` makes when nothing clips
+    * ``ours``: without clipping, the check ``DynamicLossScaler.step`` and the plugins make when nothing clips
       (``scaler.engine.prepare(opt, exact=False)``: no norm asked, so GradScaler's one-pass check-and-unscale kernel,
       plus the one host sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit
       for bit: a second read) + ``DynamicLossScaler.clip_grad_norm_``. Also shown, without clipping: ``ours, norm
-      measured``, the check the plugins make (their results carry each step's norm, for the monitor and the spike
-      guard): unscale and global norm in one cache-hot pass (``grads.unscale_and_measure_``).
+      measured``, the check when a reader asks for each step's norm (a monitor, a spike guard): unscale and global
+      norm in one cache-hot pass (``grads.unscale_and_measure_``).
     * ``torch``: ``torch.amp.GradScaler.unscale_(opt)`` plus the ``found_inf`` read that ``GradScaler.step`` does (the
       host sync), and with clipping also ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. GradScaler refuses fp16
       gradients ("Attempting to unscale FP16 gradients"), so for fp16 the torch reference calls the fused kernel
@@ -165,11 +165,11 @@ class Methods:
 
     # ours
     def ours_unscale(self) -> None:
-        # The check step() makes when nothing clips: unscale and measure in one cache-hot pass.
+        # The check step() makes when nothing clips and nothing reads the norm: GradScaler's one pass, no norm.
         self.ours.engine.prepare(self.gs.optimizer, exact=False)
 
     def ours_unscale_measured(self) -> None:
-        # The plugins' check when nothing clips: their engines measure the norm at every check.
+        # The check when nothing clips but a monitor reads the norm: measured as the gradients are unscaled.
         self.ours.engine.measure_norm = True
         try:
             self.ours.engine.prepare(self.gs.optimizer, exact=False)
@@ -340,7 +340,7 @@ def main() -> None:
         print(f"   roofline bandwidth (read + write): {gbps:.1f} GB/s")
         for case, key in (
             ("no clip", "unscale_"),
-            ("no clip, norm measured (the plugins' check)", "unscale_, norm measured"),
+            ("no clip, norm measured (under a monitor)", "unscale_, norm measured"),
             ("clip, large max_norm", "unscale_+clip (large max_norm)"),
             ("clip, small max_norm", "unscale_+clip (small max_norm)"),
         ):

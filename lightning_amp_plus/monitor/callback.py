@@ -56,9 +56,9 @@ class MixedPrecisionMonitor(Callback):
     * ``amp/skipped_steps`` (total so far) and ``amp/step_skipped`` (1.0 when a step of this batch was skipped).
     * ``amp/spikes``: under the plugin's ``spike_guard``, the gradient-norm spikes it skipped or clipped in this run.
     * ``amp/grad_norm``: the global norm of the unscaled gradients, taken from the plugin's own check (only under this
-      package's plugins, which measure it anyway; never recomputed). When several optimizers step in one batch (manual
-      optimization), it is the norm over all of their gradients, and ``amp/grad_norm_opt{i}`` gives each optimizer's
-      own (``i``: its position in ``trainer.optimizers``).
+      package's plugins, whose check measures it once the monitor reads them; never recomputed). When several
+      optimizers step in one batch (manual optimization), it is the norm over all of their gradients, and
+      ``amp/grad_norm_opt{i}`` gives each optimizer's own (``i``: its position in ``trainer.optimizers``).
     * ``amp/cuda_allocated_mb``, ``amp/cuda_reserved_mb``, ``amp/cuda_peak_mb`` (the peak within the step) on CUDA;
       on CPU ``amp/cpu_rss_mb``, the process's resident memory, instead.
     * ``amp/fp8_flushed_max``: under ``"fp8-mixed"``, on each FP8 check step, the largest share (percent) of a cast's
@@ -350,7 +350,6 @@ class MixedPrecisionMonitor(Callback):
                 "lightning_amp_plus.fabric.MixedPrecisionPlugin), which record their steps."
             )
         if not isinstance(self._source, EngineSteps) or self._source.engine is not engine:
-            engine.measure_norm = True  # read from here on (a DynamicLossScaler on its own measures no norm)
             self._start(EngineSteps(plugin, from_first=True), None, plugin, from_first=True)
         steps = self._source.take()
         if not steps:

@@ -55,6 +55,7 @@ class EngineSteps:
     def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
         self._plugin = plugin
         self.engine: StepEngine = plugin.engine
+        self.engine.measure_norm = True  # the monitor reads each step's norm: measured from here on (else none is)
         self.guarded = self.engine.check
         # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
         recent = self.engine.recent_steps

@@ -247,7 +247,6 @@ def engine_for(name: str, settings: Settings, scaler: object) -> tuple[StepEngin
     """
     if scaler is not None or settings.precision == "16-mixed":
         checked = _checked_scaler(settings, scaler, f"`{name}(precision={settings.precision!r}, scaler={scaler!r})`")
-        checked.engine.measure_norm = True  # a plugin's results carry each step's norm (the monitor reads it)
         if settings.spike_guard is not None:  # the scaler's engine judges the norms: a scaler replaced takes it over
             checked.engine.spike_guards = SpikeGuards(settings.spike_guard)
         return checked.engine, checked

@@ -77,13 +77,13 @@ class MixedPrecisionPlugin(Readings, Precision):
     ``fp8_*`` options, as the Trainer's plugin). Compensators are made at each optimizer's first step (Fabric shows the
     plugin no optimizer before): an unsupported optimizer is refused there, before it steps.
 
-    An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted,
-    in every precision, with fused optimizers too, and whether or not you clip (``fabric.clip_gradients`` then returns
-    0.0: :attr:`last_grad_norm` holds the non-finite norm). Parameters equal those of Fabric's own ``MixedPrecision``
+    An optimizer step whose gradients hold inf/NaN is skipped (parameters and optimizer state untouched) and counted, in
+    every precision, with fused optimizers too, and whether or not you clip (``fabric.clip_gradients`` then returns 0.0:
+    ``recent_steps[-1].grad_norm`` holds the non-finite norm). Parameters equal those of Fabric's own ``MixedPrecision``
     with ``torch.amp.GradScaler`` bit for bit (the same loss scale policy and unscale; the check made once, before any
-    clipping). The scale moves once per iteration, when the next ``fabric.backward`` starts: several optimizers
-    stepped after one backward are all unscaled by the scale their gradients carry (Fabric's own moves it after each
-    optimizer step). Inputs and outputs are converted as Fabric's plugin converts them.
+    clipping). The scale moves once per iteration, when the next ``fabric.backward`` starts: several optimizers stepped
+    after one backward are all unscaled by the scale their gradients carry (Fabric's own moves it after each optimizer
+    step). Inputs and outputs are converted as Fabric's plugin converts them.
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"fp8-mixed"`` (needs torchao).
@@ -115,7 +115,8 @@ class MixedPrecisionPlugin(Readings, Precision):
         device: the autocast device type in use (the one given, or the model's, learnt at its first forward).
         engine: the :class:`~lightning_amp_plus.step.engine.StepEngine` doing the step's numerics.
         recent_steps: the last optimizer steps' results, newest last (``recent_steps[-1].skipped``, ``.grad_norm``,
-            ``.scale``, ``.overflow_params``).
+            ``.scale``, ``.overflow_params``); ``.grad_norm`` is measured when something needs it (a clip, a
+            :class:`~lightning_amp_plus.MixedPrecisionMonitor` observing the plugin, a spike guard), else ``None``.
         skipped_steps: the optimizer steps skipped since the start.
         fp8: under ``"fp8-mixed"``, the :class:`~lightning_amp_plus.weights.fp8.FP8Training` of the run (``layers``,
             ``fallen_back``, ``checks``, ``nonfinite_layers()``); ``None`` otherwise.

@@ -72,10 +72,12 @@ class MixedPrecisionPlugin(Readings, Precision):
     untouched and, by default, so do the LR schedulers of that optimizer.
 
     Each optimizer step reads as the recipe: the closure runs (forward under autocast, backward of the scaled loss);
-    the gradients are unscaled exactly once, checked and measured in one pass; ``on_before_optimizer_step`` hooks and
-    clipping (by norm, with the measured norm: ``clip_grad_norm_``'s result bit for bit; or by value) see them; the step
-    is taken or skipped; the scale is updated once per training batch, also when several optimizers step in one batch
-    under manual optimization.
+    the gradients are unscaled exactly once and checked; ``on_before_optimizer_step`` hooks and clipping (by norm, with
+    the norm the check measured: ``clip_grad_norm_``'s result bit for bit; or by value) see them; the step is taken or
+    skipped; the scale is updated once per training batch, also when several optimizers step in one batch under manual
+    optimization. The norm is measured when something needs it (a clip, a hook that reads the gradients, a
+    :class:`~lightning_amp_plus.MixedPrecisionMonitor`, a spike guard); otherwise the check is GradScaler's one pass and
+    ``recent_steps[-1].grad_norm`` is ``None``.
 
     Args:
         precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"bf16-true"`` or ``"fp8-mixed"`` (needs torchao:

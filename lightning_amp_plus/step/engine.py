@@ -15,7 +15,9 @@ One optimizer's gradients go through three stages per iteration (:class:`Stage`)
 
 * the **unscale path** (clipping, hooks that read gradients, any optimizer): the unscale (:func:`~.grads.multiply_`),
   then the global norm (:func:`~.grads.global_norm`), read on the host: the overflow check, the clipping norm and the
-  monitored norm in one number; the step is taken or skipped on the host;
+  monitored norm in one number; the step is taken or skipped on the host. A step that nothing clips or reads before,
+  whose norm nobody asked for (``measure_norm``: a monitor, a spike guard), is checked in GradScaler's one pass
+  instead (:func:`~.grads.unscale_checked_`), and measures no norm;
 * the **fused path** (``Adam/AdamW/SGD/Adagrad(fused=True)`` stepped with no ``prepare`` first): one read-only pass
   measures the still-scaled gradients, the scale and the overflow flag go to the optimizer as ``grad_scale`` /
   ``found_inf``, its kernel divides and skips on the device, and the step's values wait on the device
@@ -111,8 +113,8 @@ class StepEngine:
         seed: the seed of the stochastic-rounding streams.
         spike_guard: judge each finite gradient norm (:mod:`~.spikes`): skip a spike (counted, the scale left alone)
             or clip it before any clip of the user's; one guard per optimizer. Needs the check; no fused path.
-        measure_norm: measure each check's norm (``StepResult.grad_norm``); ``False``: a step nothing clipped is
-            checked in GradScaler's one pass, no norm (``DynamicLossScaler``'s; a clip or a spike guard measures it).
+        measure_norm: measure every check's norm (``StepResult.grad_norm``), as a monitor asks; ``False``: a step that
+            nothing clips or reads before is checked in GradScaler's one pass, no norm measured (``grad_norm`` None).
 
     Attributes:
         held_schedulers: the LR schedulers held still while their optimizer's steps are skipped (``hold``,
@@ -137,7 +139,7 @@ class StepEngine:
         compensation: Method | None = None,
         seed: int = 0,
         spike_guard: SpikeGuard | None = None,
-        measure_norm: bool = True,
+        measure_norm: bool = False,
     ) -> None:
         self.loss_scale = loss_scale
         self.measure_norm = measure_norm
@@ -214,8 +216,8 @@ class StepEngine:
         Args:
             optimizer: the optimizer whose gradients to prepare.
             exact: measure the norm as ``clip_grad_norm_`` does, bit for bit (a clip may follow; a second read of the
-                gradients); ``False`` when nothing clips: one pass measures as it unscales, the norm equal within
-                float32 rounding (what :meth:`step` does when it checks the gradients itself).
+                gradients); ``False`` when nothing clips: one pass, which measures as it unscales (within float32
+                rounding) under ``measure_norm`` or a guard, and else measures none (as :meth:`step` checks itself).
 
         Raises:
             RuntimeError: ``optimizer`` already stepped this iteration (call ``end_batch()`` first).
@@ -416,22 +418,26 @@ class StepEngine:
 
     # -------------------------------------------------------------------------------------------- the checks
     def _check(self, optimizer: Optimizer, step: _Pass, params: list[Tensor], exact: bool = True) -> None:
-        """The unscale path's pass: unscale, check and measure ``params``' gradients; one host read.
+        """The unscale path's pass: unscale, check and, if asked or needed, measure ``params``' gradients; 1 host read.
 
-        ``exact``: the norm is ``clip_grad_norm_``'s bit for bit (a clip may follow), at the cost of a second read of
-        the gradients after the unscale; otherwise (nothing will clip) one cache-hot pass measures as it unscales.
+        ``exact``: the norm is ``clip_grad_norm_``'s bit for bit (a clip may follow: a second read after the unscale);
+        otherwise one cache-hot pass measures as it unscales, or, if nothing reads the norm, GradScaler's checks.
         """
         policy = None if self.loss_scale is None else self.loss_scale.settle()
         grads = [p.grad for p in params if p.grad is not None]
         inv_scale = None if policy is None else f32(1.0 / policy.scale)  # rounded once to float32, as GradScaler's
         norm: float | None = None
-        if exact or self.measure_norm or self.spike_guards is not None or inv_scale is None:
-            norm = measured = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
-            overflow = not math.isfinite(measured)
-        else:  # nothing reads the norm: GradScaler's one pass checks as it unscales
-            overflow = unscale_checked_(grads, inv_scale, self.sharding, self.process_group)
+        if exact or self.measure_norm or self.spike_guards is not None:
+            norm = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
+            # A finite gradient's norm can pass float32's range: only inf/NaN values skip, as unmeasured; a guard skips.
+            overflow = not math.isfinite(norm) and (
+                self.spike_guards is not None or unscale_checked_(grads, 1.0, self.sharding, self.process_group)
+            )
+        else:  # nothing reads the norm: GradScaler's one pass checks as it unscales (bf16: by exactly 1.0)
+            by = 1.0 if inv_scale is None else inv_scale
+            overflow = unscale_checked_(grads, by, self.sharding, self.process_group)
         verdict = None
-        if self.spike_guards is not None and norm is not None and not overflow:  # a guard's check measures the norm
+        if self.spike_guards is not None and norm is not None and not overflow:  # measured, finite
             verdict = self.spike_guards.of(self._position(optimizer)).judge(norm)
             if verdict.action == "clip":  # before any clip of the user's, which then measures the clipped gradients
                 norm = _clip_spike(grads, norm if exact else None, verdict.threshold_norm, self)

@@ -345,8 +345,7 @@ def unscale_checked_(grads: list[Tensor], inv_scale: float, sharding: Sharding |
     found = torch.zeros(1, dtype=torch.float32, device=device)
     for (where, _), indices in _by_device_and_dtype(values).items():
         here = found if where == device else torch.zeros(1, dtype=torch.float32, device=where)
-        inverse = torch.full((1,), inv_scale, dtype=torch.float32, device=where)
-        torch._amp_foreach_non_finite_check_and_unscale_([values[i] for i in indices], here, inverse)
+        torch._amp_foreach_non_finite_check_and_unscale_([values[i] for i in indices], here, _filled(inv_scale, where))
         if here is not found:
             found += here.to(device)
     if sharding is not None:
@@ -354,6 +353,12 @@ def unscale_checked_(grads: list[Tensor], inv_scale: float, sharding: Sharding |
     if process_group is not None:
         found = max_across_ranks(found, process_group)
     return bool(found.item())
+
+
+@functools.lru_cache(maxsize=64)
+def _filled(value: float, device: torch.device) -> Tensor:
+    # Cached: the kernel only reads it, and the same inverse scale (1.0 under bf16) comes back every step.
+    return torch.full((1,), value, dtype=torch.float32, device=device)
 
 
 def nonfinite_names(named: Sequence[tuple[str, Tensor]]) -> list[str]:

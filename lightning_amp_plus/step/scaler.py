@@ -35,12 +35,13 @@ class DynamicLossScaler:
 
     * The scale stays within ``[min_scale, max_scale]``: it can never reach 0, inf or a denormal, so the PyTorch failure
       where 170 overflows in a row take the scale to 0, the inverse to inf and the weights to NaN cannot happen.
-    * After :meth:`unscale_`, the overflow check is the global norm of the *unscaled* gradients, measured as
+    * After :meth:`unscale_`, the check measures the global norm of the *unscaled* gradients as
       ``torch.nn.utils.clip_grad_norm_`` measures it; :meth:`clip_grad_norm_` reuses that norm (clipping is
       bit-identical to torch's) instead of reading the gradients again, and :meth:`result` reports it. A
       :meth:`step` with no :meth:`unscale_` before it (nothing clips, nothing reads the gradients) unscales and checks
       in one pass with GradScaler's own kernel and measures no norm (``result(optimizer).grad_norm`` is ``None``,
-      except on the fused path, whose check is a norm).
+      except on the fused path, whose check is a norm, and under a monitor, which asks for it). Only inf/NaN values
+      skip a step, as in GradScaler: finite gradients whose norm passes float32's range are stepped, measured or not.
     * ``hysteresis`` overflows are tolerated before the scale backs off (1 behaves like GradScaler).
     * Skipped steps are counted (:attr:`skipped_steps`); the parameters whose gradients were non-finite are named
       (``result(optimizer).overflow_params``), only on skipped steps, so normal steps pay nothing.
@@ -139,7 +140,6 @@ class DynamicLossScaler:
             self._loss_scale if enabled else None,
             check=enabled,
             max_consecutive_skips=max_consecutive_skips,
-            measure_norm=False,  # GradScaler's users ask no norm unless they unscale_ (to clip): one pass otherwise
         )
 
     def __repr__(self) -> str:

@@ -30,10 +30,12 @@ from helpers import (
     TinyRegressor,
     TrainingStateAfterBatches,
     global_norm,
+    lightning_plugin,
     loader,
     make_net,
     make_trainer,
     mse,
+    our_plugin,
     parameters_of,
     unscaled_reference_grads,
 )
@@ -44,7 +46,7 @@ from torch import Tensor
 from torch.optim.lr_scheduler import StepLR
 from torch.testing import assert_close
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
 
 pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
@@ -800,3 +802,27 @@ def test_the_slow_fp16_on_cpu_warning_is_given_once_per_plugin_across_its_runs()
         make_trainer(plugin, max_steps=1, max_epochs=-1).fit(model, loader())
     slow = [w for w in caught if "fp16 autocast is correct there but slow" in str(w.message)]
     assert len(slow) == 1
+
+
+# ------------------------------------------------------------------------------------------- the norm, on request
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_the_norm_is_measured_for_a_reader_only_and_reading_it_changes_no_parameter(precision):
+    # Nothing reads the norm: the check is GradScaler's one pass, which measures none. A monitor asks for it from its
+    # first step on. Either way the overflow at step 2 is skipped and every parameter is the same, bit for bit; under
+    # fp16 they are Lightning's with GradScaler (which skips it too).
+    def fit(plugin: Any, callbacks: list[pl.Callback]) -> list[Tensor]:
+        torch.manual_seed(0)
+        model = TinyRegressor(overflow_steps=(2,))
+        make_trainer(plugin, max_steps=5, callbacks=callbacks).fit(model, loader())
+        return parameters_of(model)
+
+    alone, watched = our_plugin(precision), our_plugin(precision)
+    unwatched = fit(alone, [])
+    assert_close(fit(watched, [MixedPrecisionMonitor(log_memory=False)]), unwatched, rtol=0, atol=0)
+    if precision == "16-mixed":
+        assert_close(unwatched, fit(lightning_plugin(precision), []), rtol=0, atol=0)
+    assert [r.skipped for r in alone.recent_steps] == [r.skipped for r in watched.recent_steps] == [0, 0, 1, 0, 0]
+    assert [r.grad_norm for r in alone.recent_steps] == [None] * 5
+    norms = [r.grad_norm for r in watched.recent_steps]
+    assert [n is not None and math.isfinite(n) for n in norms] == [True, True, False, True, True]
+    assert norms[2] is not None  # the overflow's norm: inf or NaN

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -597,15 +598,41 @@ def test_update_with_nothing_stepped_does_nothing_where_grad_scaler_raises() -> 
     assert mine.get_scale() == 8.0
 
 
-def test_a_finite_gradient_set_whose_norm_overflows_float32_is_an_overflow_once_measured() -> None:
-    # 1e20 is a finite float32; its square is not. GradScaler steps (and writes a parameter of -1e20). Ours, asked to
-    # unscale first (the norm measured, as a clip needs it), skips: that norm is no number to clip with. A plain step
-    # measures no norm and checks the values as GradScaler does: the same step.
+def test_finite_gradients_whose_norm_overflows_float32_are_stepped_as_grad_scaler_steps_them_measured_or_not() -> None:
+    # 1e20 is a finite float32; its square is not. GradScaler steps (and writes a parameter of -1e20). Only inf/NaN
+    # values skip, so measuring the norm (after unscale_, or for a monitor) changes nothing: the same step each way.
     theirs = one_param_step(grad_scaler(init_scale=1.0), grad=1e20)
-    plain = one_param_step(ours(init_scale=1.0), grad=1e20)
-    measured = one_param_step(ours(init_scale=1.0), grad=1e20, unscale_first=True)
-    assert torch.equal(theirs.detach(), torch.full((2,), -1e20)) and torch.equal(plain.detach(), theirs.detach())
-    assert torch.equal(measured.detach(), torch.zeros(2))
+    measured_scaler = ours(init_scale=1.0)
+    measured_scaler.engine.measure_norm = True  # what a monitor observing the scaler sets
+    for mine in (
+        one_param_step(ours(init_scale=1.0), grad=1e20),
+        one_param_step(ours(init_scale=1.0), grad=1e20, unscale_first=True),
+        one_param_step(measured_scaler, grad=1e20),
+    ):
+        assert torch.equal(mine.detach(), theirs.detach())
+    assert torch.equal(theirs.detach(), torch.full((2,), -1e20))
+    assert measured_scaler.skipped_steps == 0 and measured_scaler.get_scale() == 1.0
+
+
+def test_a_clip_of_a_finite_gradient_whose_norm_overflows_float32_equals_clip_grad_norm() -> None:
+    # The norm is inf: torch's coefficient max_norm / (inf + eps) is 0, and so is ours; the step is taken (its weight
+    # decay moves the parameter: a skip would leave it at 1).
+    def clipped(scaler: Scaler, clip: Any) -> nn.Parameter:
+        w = nn.Parameter(torch.ones(2))
+        opt = torch.optim.SGD([w], lr=1.0, momentum=0.9, weight_decay=0.5)
+        scaler.scale(torch.zeros(()))
+        w.grad = torch.full((2,), 1e20)
+        scaler.unscale_(opt)
+        assert clip(opt, w) == math.inf
+        scaler.step(opt)
+        scaler.update()
+        return w
+
+    theirs = clipped(grad_scaler(init_scale=1.0), lambda opt, w: float(torch.nn.utils.clip_grad_norm_([w], 1.0)))
+    scaler = ours(init_scale=1.0)
+    mine = clipped(scaler, lambda opt, w: scaler.clip_grad_norm_(opt, 1.0))
+    assert torch.equal(mine.detach(), theirs.detach()) and torch.equal(theirs.detach(), torch.full((2,), 0.5))
+    assert scaler.skipped_steps == 0
 
 
 def test_get_scale_reads_nothing_from_the_device_on_the_unscale_path(monkeypatch: pytest.MonkeyPatch) -> None:
