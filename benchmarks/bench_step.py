@@ -24,7 +24,10 @@ How
     ``--budget-s`` seconds have passed (at least two rounds run), which keeps the run short on a busy machine, where
     steps can be many times slower (two OpenMP threads on two shared cores stall; try ``--threads 1`` there).
     Reported per precision: the median
-    step time of each, the ratio of medians ours/Lightning, and the median and range of the per-round ratios.
+    step time of each, the ratio of medians ours/Lightning, and the median and range of the per-round ratios; and the
+    median of each step's tail, from ``on_after_backward`` to ``on_train_batch_end`` (the check, the clip, the
+    optimizer step: where the plugins differ, forward and backward being the same code), and the difference of the
+    two sides' tails as a share of Lightning's whole step, a steadier figure than the ratio of whole steps.
     Mixed precision on CPU is slow (bf16 and fp16 autocast both about 6-7x fp32 for this CNN on a 2-core EPYC, up
     to 14x for fp16 elsewhere), so the mixed runs take fewer steps. Nothing is asserted.
 
@@ -48,9 +51,10 @@ Run
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
@@ -92,19 +96,27 @@ class SmallCNN(pl.LightningModule):
 
 
 class StepTimer(pl.Callback):
-    """Records the wall time of every training step, from batch start to batch end (after the optimizer step)."""
+    """Records the wall time of every training step, from batch start to batch end (after the optimizer step), and of
+    its tail, from the end of backward (``on_after_backward``) to batch end: the check, the clip and the step."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.tails: list[float] = []
         self._start = 0.0
+        self._backward_end = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         self._start = time.perf_counter()
 
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._backward_end = time.perf_counter()
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        self.times.append(time.perf_counter() - self._start)
+        now = time.perf_counter()
+        self.times.append(now - self._start)
+        self.tails.append(now - self._backward_end)
 
 
 @dataclass
@@ -112,6 +124,8 @@ class Config(Side):
     """One side of a comparison: a label and how to build the Trainer's precision arguments."""
 
     trainer_kwargs: Callable[[], dict[str, Any]] = dict
+    tails: list[float] = field(default_factory=list)
+    """Each timed step's tail (:class:`StepTimer`), seconds."""
 
 
 def _pairs(precisions: list[str], guard: bool = False, check_off: bool = False) -> dict[str, tuple[Config, Config]]:
@@ -168,10 +182,17 @@ def random_images(count: int, classes: int, seed: int) -> TensorDataset:
 
 
 def timed_fit(
-    model: pl.LightningModule, classes: int, seed: int, warmup: int, steps: int, label: str, **trainer_kwargs: Any
+    model: pl.LightningModule,
+    classes: int,
+    seed: int,
+    warmup: int,
+    steps: int,
+    label: str,
+    tails: list[float] | None = None,
+    **trainer_kwargs: Any,
 ) -> list[float]:
     """One fresh quiet CPU ``Trainer.fit`` of ``warmup + steps`` steps on :func:`random_images` in batches of
-    ``_BATCH``; the timed (post-warm-up) step times in seconds."""
+    ``_BATCH``; the timed (post-warm-up) step times in seconds (and their tails appended to ``tails``, if given)."""
     timer = StepTimer()
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -188,13 +209,15 @@ def timed_fit(
     trainer.fit(model, DataLoader(data, batch_size=_BATCH, shuffle=False))
     if len(timer.times) != warmup + steps:
         raise RuntimeError(f"{label}: expected {warmup + steps} steps, timed {len(timer.times)}")
+    if tails is not None:
+        tails.extend(timer.tails[warmup:])
     return timer.times[warmup:]
 
 
 def run_once(config: Config, steps: int, warmup: int, seed: int) -> list[float]:
     """One fresh Trainer.fit of ``warmup + steps`` steps; returns the timed (post-warm-up) step times in seconds."""
     pl.seed_everything(seed, verbose=False)
-    return timed_fit(SmallCNN(), 10, seed, warmup, steps, config.label, **config.trainer_kwargs())
+    return timed_fit(SmallCNN(), 10, seed, warmup, steps, config.label, config.tails, **config.trainer_kwargs())
 
 
 DEFAULTS = Defaults(
@@ -257,6 +280,21 @@ def main() -> None:
         )
     print()
     print("32-true: the same configuration twice (A, B); its ratio is the noise floor of this machine.")
+    print()
+    print(f"## The step's tail: from the end of backward to the end of the batch (median µs; {a_name} - {b_name})")
+    print()
+    print(f"| precision | {a_name} (A) µs | {b_name} (B) µs | A - B µs | (A - B) / B's whole step |")
+    print("|---|---:|---:|---:|---:|")
+    for precision, (a, b) in pairs.items():
+        assert isinstance(a, Config) and isinstance(b, Config)
+        tail_a, tail_b = statistics.median(a.tails) * 1e6, statistics.median(b.tails) * 1e6
+        added = (tail_a - tail_b) / (statistics.median(b.times) * 1e6)
+        print(f"| {precision} | {tail_a:.0f} | {tail_b:.0f} | {tail_a - tail_b:+.0f} | {added:+.2%} |")
+    print()
+    print(
+        "Forward and backward run the same code under both plugins; the tail is where they differ (the check, the "
+        "clip, the step), and its median is steadier than the whole step's. 32-true: its noise."
+    )
     print(f"total {spent:.0f} s, load average after: {load():.2f}")
 
 

@@ -433,9 +433,8 @@ class StepEngine:
             overflow = not math.isfinite(norm) and (
                 self.spike_guards is not None or unscale_checked_(grads, 1.0, self.sharding, self.process_group)
             )
-        else:  # nothing reads the norm: GradScaler's one pass checks as it unscales (bf16: by exactly 1.0)
-            by = 1.0 if inv_scale is None else inv_scale
-            overflow = unscale_checked_(grads, by, self.sharding, self.process_group)
+        else:  # nothing reads the norm: GradScaler's one pass checks as it unscales (bf16, no inverse: by exactly 1.0)
+            overflow = unscale_checked_(grads, inv_scale or 1.0, self.sharding, self.process_group)
         verdict = None
         if self.spike_guards is not None and norm is not None and not overflow:  # measured, finite
             verdict = self.spike_guards.of(self._position(optimizer)).judge(norm)
@@ -499,7 +498,8 @@ class StepEngine:
         return self._positions.setdefault(_key(optimizer), len(self._positions))
 
     def _pass(self, optimizer: Optimizer) -> _Pass:
-        return self._passes.setdefault(id(_innermost(optimizer)), _Pass())
+        key = id(_innermost(optimizer))  # get first: building a _Pass (and its StepResult) at every call costs ~10 µs
+        return self._passes.get(key) or self._passes.setdefault(key, _Pass())
 
 
 # ------------------------------------------------------------------------------------------------------- helpers
