@@ -340,12 +340,15 @@ def unscale_checked_(grads: list[Tensor], inv_scale: float, sharding: Sharding |
         >>> unscale_checked_([torch.tensor([1.0, float("inf")])], 0.5, None, None)
         True
     """
-    values = [_values(grad) for grad in (grads if sharding is None else local_views(grads))]
-    device = values[0].device if values else torch.device("cpu")
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for grad in grads if sharding is None else local_views(grads):  # one loop: it runs cache-cold after backward
+        value = _values(grad)
+        groups.setdefault((value.device, value.dtype), []).append(value)
+    device = next(iter(groups))[0] if groups else torch.device("cpu")
     found = torch.zeros(1, dtype=torch.float32, device=device)
-    for (where, _), indices in _by_device_and_dtype(values).items():
+    for (where, _), values in groups.items():
         here = found if where == device else torch.zeros(1, dtype=torch.float32, device=where)
-        torch._amp_foreach_non_finite_check_and_unscale_([values[i] for i in indices], here, _filled(inv_scale, where))
+        torch._amp_foreach_non_finite_check_and_unscale_(values, here, _filled(inv_scale, where))
         if here is not found:
             found += here.to(device)
     if sharding is not None:
