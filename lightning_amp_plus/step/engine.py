@@ -429,7 +429,7 @@ class StepEngine:
         norm: float | None = None
         if exact or self.measure_norm or self.spike_guards is not None:
             norm = checked_norm(grads, inv_scale, exact, self.sharding, self.process_group)
-            # A finite gradient's norm can pass float32's range: only inf/NaN values skip, as unmeasured; a guard skips.
+            # Finite values can square past float32: only inf/NaN skip, as unmeasured (a guard: skipped, no number).
             overflow = not math.isfinite(norm) and (
                 self.spike_guards is not None or unscale_checked_(grads, 1.0, self.sharding, self.process_group)
             )
