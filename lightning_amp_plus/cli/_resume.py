@@ -51,14 +51,6 @@ class RunRecord(Callback):
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = dict(settings)
-        self.saved_step: int | None = None
-        """The global step of the last checkpoint this run saved (or resumed from): what ``last.ckpt`` holds."""
-
-    @override
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        self.saved_step = trainer.global_step
 
     @property
     @override
@@ -130,6 +122,19 @@ def read_resume_point(
             f"left to train. Ask for more: --max-steps above {step} (or more --epochs)."
         )
     return ResumePoint(path, step, target)
+
+
+def saved_step(checkpoint: Path) -> int | None:
+    """The optimizer steps ``checkpoint`` holds, read from the file (``None`` if it cannot be read).
+
+    Not what the run last began to save: a Ctrl-C between the start of a save and its write leaves the previous one.
+    """
+    try:
+        loaded = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+        return None
+    step = loaded.get("global_step") if isinstance(loaded, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from typing_extensions import override
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli import _machine
 from lightning_amp_plus.cli._checks import RunFailed, UsageError
-from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point
+from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point, saved_step
 from lightning_amp_plus.cli._runs import (
     build_model,
     check_devices,
@@ -97,7 +97,6 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         print(_start_line(args, settings, precision, device, amp, batches, threads, fp8), flush=True)
         if resume is not None:
             print(resume.line(), flush=True)
-    record.saved_step = None if resume is None else resume.step  # what last.ckpt holds before this run saves
     trainer, seconds = _fit(args, settings, device, amp, model, datamodule, record, resume)
     result = _result(args, trainer, precision, device, amp, seconds)
     result["resumed_at"] = None if resume is None else resume.step
@@ -156,7 +155,7 @@ def _fit(
             with launching_workers(getattr(args, "worker_threads", None)):
                 interruptible(trainer, lambda: trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path))
         except (KeyboardInterrupt, FloatingPointError) as stop:
-            raise _stopped(stop, trainer, during="training", saved=_saved(args, record)) from None
+            raise _stopped(stop, trainer, during="training", saved=_saved(args)) from None
         if last_val.step != trainer.global_step:  # the numbers must describe the final weights
             try:
                 interruptible(trainer, lambda: trainer.validate(model, datamodule=datamodule, verbose=False))
@@ -283,15 +282,17 @@ def _stopped(stop: BaseException, trainer: pl.Trainer, during: str, saved: str =
     return KeyboardInterrupt("during the final validation (training had finished; its summary is above)")
 
 
-def _saved(args: argparse.Namespace, record: RunRecord) -> str:
+def _saved(args: argparse.Namespace) -> str:
     """What ``--ckpt-dir`` holds to continue from, said after an interrupt (empty without ``--ckpt-dir``)."""
     if args.ckpt_dir is None:
         return ""
     last = Path(args.ckpt_dir) / "last.ckpt"
     if not last.is_file():
         return f". No checkpoint was saved yet in {args.ckpt_dir} (the first comes at the end of the first epoch)"
-    step = "" if record.saved_step is None else f" (step {record.saved_step})"
-    return f". {last} holds the last checkpoint{step}: the same command with --resume continues from it"
+    step = saved_step(last)
+    if step is None:
+        return f". {last} could not be read as a checkpoint: remove it to start over in {args.ckpt_dir}"
+    return f". {last} holds the last checkpoint (step {step}): the same command with --resume continues from it"
 
 
 def _amp_settings(args: argparse.Namespace, precision: PrecisionName) -> AmpSettings:

@@ -401,7 +401,8 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
 @pytest.mark.integration
 def test_ctrl_c_with_a_ckpt_dir_says_which_checkpoint_resume_continues_from(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
-    # 100 steps an epoch: a checkpoint at each epoch's end, and Ctrl-C well inside the next epoch, not during a save.
+    # 100 steps an epoch: a checkpoint at each epoch's end, and Ctrl-C inside the next epoch. Should it come during a
+    # save, the message still gives the step the file holds (test_cli_resume.py pins that case).
     long_epochs = [*TINY_CNN, "--num-train", "800", "--epochs", "100000", "--threads", "1", "--ckpt-dir", str(ckpt)]
     process = processes.start([sys.executable, "-m", "lightning_amp_plus", "train", *long_epochs])
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import re
 import shutil
@@ -11,6 +12,8 @@ import pytest
 import torch
 from helpers import usage_error
 from processes import REPO, amp_plus
+
+from lightning_amp_plus.cli import train
 
 pytestmark = pytest.mark.integration  # starts processes or runs whole commands
 
@@ -207,3 +210,15 @@ def test_an_unreadable_last_ckpt_is_refused_without_advice_to_unpickle_it(
         assert advice not in err, err
     if kind == "object":
         assert "it holds Python objects besides tensors and plain values" in err
+
+
+def test_after_ctrl_c_the_message_gives_the_step_the_checkpoint_file_holds(tmp_path: Path) -> None:
+    # A Ctrl-C between the start of a save and its write leaves the previous checkpoint in the file: the message reads
+    # the step from the file, never from the save the run began (which said step 200 where the file held 100).
+    last = tmp_path / "last.ckpt"
+    torch.save({"global_step": 100, "state_dict": {}}, last)
+    said = train._saved(argparse.Namespace(ckpt_dir=str(tmp_path)))
+    assert said == f". {last} holds the last checkpoint (step 100): the same command with --resume continues from it"
+    last.write_bytes(b"cut short")
+    said = train._saved(argparse.Namespace(ckpt_dir=str(tmp_path)))
+    assert said == f". {last} could not be read as a checkpoint: remove it to start over in {tmp_path}"
