@@ -11,14 +11,21 @@ from lightning_amp_plus import DynamicLossScaler
 from lightning_amp_plus.step.sharding import Sharding, holders, local_view
 
 
-def stepped(sharding: Sharding | None) -> tuple[float | None, list[torch.Tensor]]:
-    """The measured norm and the unscaled gradients of one step, with the gradients taken as ``sharding`` says."""
+def after_backward(sharding: Sharding | None) -> tuple[nn.Sequential, torch.optim.SGD, DynamicLossScaler]:
+    """A small net, its optimizer and a scaler whose engine takes the gradients as ``sharding`` says, after one scaled
+    backward (the same seed every time)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=2.0**8)
     scaler.engine.sharding = sharding
     scaler.scale(net(torch.randn(3, 4)).pow(2).sum()).backward()
+    return net, opt, scaler
+
+
+def stepped(sharding: Sharding | None) -> tuple[float | None, list[torch.Tensor]]:
+    """The measured norm and the unscaled gradients of one step, with the gradients taken as ``sharding`` says."""
+    net, opt, scaler = after_backward(sharding)
     scaler.unscale_(opt)
     grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
     scaler.step(opt)
@@ -49,12 +56,7 @@ def test_plain_tensors_are_their_own_local_view_and_held_by_the_given_replicas()
 
 def plain_step(sharding: Sharding | None, poison: bool) -> tuple[bool, list[torch.Tensor]]:
     """A plain ``step()`` (no ``unscale_``: the one-pass check, no norm): whether it skipped, and the parameters."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**8)
-    scaler.engine.sharding = sharding
-    scaler.scale(net(torch.randn(3, 4)).pow(2).sum()).backward()
+    net, opt, scaler = after_backward(sharding)
     if poison:
         net[1].bias.grad[0] = math.nan  # type: ignore[index]
     scaler.step(opt)
