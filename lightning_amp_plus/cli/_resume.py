@@ -125,15 +125,14 @@ def read_resume_point(
 
 
 def saved_step(checkpoint: Path) -> int | None:
-    """The optimizer steps ``checkpoint`` holds, read from the file (``None`` if it cannot be read).
+    """The optimizer steps ``checkpoint`` holds, read from the file as ``--resume`` reads it (``None`` if it cannot be).
 
     Not what the run last began to save: a Ctrl-C between the start of a save and its write leaves the previous one.
     """
     try:
-        loaded = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError):
+        step = _load(checkpoint).get("global_step")
+    except UsageError:
         return None
-    step = loaded.get("global_step") if isinstance(loaded, dict) else None
     return step if isinstance(step, int) else None
 
 
