@@ -11,7 +11,7 @@ What is measured
     * ``+ no_grad``: the same inside ``torch.no_grad()`` (as GradScaler's unscale runs);
     * ``+ cached inverse``: the one-element inverse scale from ``grads._filled``;
     * ``grads.unscale_checked_``: the function itself (adds the list of gradients and the grouping by device and dtype);
-    * ``engine.prepare``: ``DynamicLossScaler.engine.prepare(opt, exact=False)``, the whole check (adds the optimizer's
+    * ``engine.prepare``: ``DynamicLossScaler.engine.unscale(opt, exact=False)``, the whole check (adds the optimizer's
       pass record, the parameter list, the scale policy and the step's result).
 
 How
@@ -78,7 +78,7 @@ def variants(
         return found.item()
 
     def engine_check() -> object:
-        scaler.engine.prepare(optimizer, exact=False)
+        scaler.engine.unscale(optimizer, exact=False)
         return None
 
     def reset() -> None:

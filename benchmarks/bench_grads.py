@@ -9,7 +9,7 @@ What is measured
       ``torch._foreach_mul_(grads, 1.0)`` is shown beside it). One read and one write of every gradient: nothing that
       must unscale the gradients can be faster.
     * ``ours``: without clipping, the check ``DynamicLossScaler.step`` and the plugins make when nothing clips
-      (``scaler.engine.prepare(opt, exact=False)``: no norm asked, so GradScaler's one-pass check-and-unscale kernel,
+      (``scaler.engine.unscale(opt, exact=False)``: no norm asked, so GradScaler's one-pass check-and-unscale kernel,
       plus the one host sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit
       for bit: a second read) + ``DynamicLossScaler.clip_grad_norm_``. Also shown, without clipping: ``ours, norm
       measured``, the check when a reader asks for each step's norm (a monitor, a spike guard): unscale and global
@@ -169,13 +169,13 @@ class Methods:
     # ours
     def ours_unscale(self) -> None:
         # The check step() makes when nothing clips and nothing reads the norm: GradScaler's one pass, no norm.
-        self.ours.engine.prepare(self.gs.optimizer, exact=False)
+        self.ours.engine.unscale(self.gs.optimizer, exact=False)
 
     def ours_unscale_measured(self) -> None:
         # The check when nothing clips but a monitor reads the norm: measured as the gradients are unscaled.
         self.ours.engine.measure_norm = True
         try:
-            self.ours.engine.prepare(self.gs.optimizer, exact=False)
+            self.ours.engine.unscale(self.gs.optimizer, exact=False)
         finally:
             self.ours.engine.measure_norm = False
 

@@ -121,7 +121,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
-from lightning_amp_plus.plugins.trainer import skipped_steps
+from lightning_amp_plus.plugins.precision import skipped_steps
 
 MIB = 2**20
 _INIT_SCALE = 2.0**10

@@ -6,7 +6,9 @@ cosine), gradient accumulation under ``fabric.no_backward_sync``, ``fabric.backw
 ``fabric.save``. What lightning-amp-plus adds is one plugin and one monitor:
 
 * ``MixedPrecisionPlugin`` in ``L.Fabric(plugins=[...])``: a step whose gradients hold inf/NaN is skipped and counted
-  (fp16 overflows and bf16 NaNs alike), also when ``fabric.clip_gradients`` runs with its defaults;
+  (fp16 overflows and bf16 NaNs alike). ``fabric.clip_gradients`` keeps Fabric's contract: with its default
+  ``error_if_nonfinite=True`` it raises on such a step, so the loop passes ``error_if_nonfinite=False`` and lets the
+  plugin skip it;
 * ``MixedPrecisionMonitor.observe`` after each optimizer step returns the ``amp/...`` metrics for
   ``fabric.log_dict``; its summary and chart at the end.
 
@@ -142,7 +144,8 @@ def pretrain(args: argparse.Namespace) -> dict[str, Any]:
             fabric.backward(loss / args.accumulate)
         if is_accumulating:
             continue
-        fabric.clip_gradients(model, optimizer, max_norm=1.0)  # Fabric's defaults: no error on a skipped step
+        # error_if_nonfinite=False: a step with inf/NaN gradients is the plugin's to skip (Fabric's default raises).
+        fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
         optimizer.step()
         optimizer.zero_grad()
         state["step_count"] += 1

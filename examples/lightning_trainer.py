@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     print(
         f"{args.precision}: resumed at step {first.global_step}, finished at step {second.global_step}; "
         f"loss scale {scale:g}, skipped steps {plugin.skipped_steps}, held scheduler steps "
-        f"{plugin.engine.held_schedulers.held_steps}, lr {second.optimizers[0].param_groups[0]['lr']:g}"
+        f"{plugin.engine.log.held_schedulers.held_steps}, lr {second.optimizers[0].param_groups[0]['lr']:g}"
     )
     return {"scale": scale, "skipped_steps": plugin.skipped_steps, "global_step": second.global_step}
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from lightning_amp_plus.monitor.callback import MixedPrecisionMonitor
-    from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
-    from lightning_amp_plus.plugins.trainer_fsdp import FSDPMixedPrecisionPlugin
+    from lightning_amp_plus.plugins.fsdp import FSDPMixedPrecisionPlugin
+    from lightning_amp_plus.plugins.precision import MixedPrecisionPlugin
     from lightning_amp_plus.step.scaler import DynamicLossScaler
     from lightning_amp_plus.step.spikes import SpikeGuard
 
@@ -32,9 +32,9 @@ __version__ = "0.1.0"
 
 _HOMES = {
     "DynamicLossScaler": "lightning_amp_plus.step.scaler",
-    "FSDPMixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer_fsdp",
+    "FSDPMixedPrecisionPlugin": "lightning_amp_plus.plugins.fsdp",
     "MixedPrecisionMonitor": "lightning_amp_plus.monitor.callback",
-    "MixedPrecisionPlugin": "lightning_amp_plus.plugins.trainer",
+    "MixedPrecisionPlugin": "lightning_amp_plus.plugins.precision",
     "SpikeGuard": "lightning_amp_plus.step.spikes",
 }
 """Each public name and the module it is loaded from on first use."""

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
 from lightning_amp_plus.cli import main
 from lightning_amp_plus.data._download import file_md5
+from lightning_amp_plus.step.policy import LossScale, ScalePolicy
 
 # The plugin warns once per fit that fp16 autocast on CPU is slow; these tests use it on CPU on purpose.
 FP16_ON_CPU_WARNING = r"ignore:MixedPrecisionPlugin\('16-mixed'\) on CPU:UserWarning"
@@ -177,11 +178,23 @@ class ScaleRecorder(pl.Callback):
         self.grad_norms.append(recent[-1].grad_norm if recent else None)
 
 
+def walk_to_floor(policy: ScalePolicy) -> int:
+    """Overflows in a row from ``max_scale`` until the scale stops falling, run by the scale's own state machine."""
+    scale, count = LossScale(policy, policy.max_scale), 0
+    scale.set(policy.max_scale, 0, 1)
+    while policy.backs_off(*scale.read()[::2]):
+        scale.advance(torch.tensor(1.0))
+        count += 1
+    return count
+
+
 def skip_bound(scaler: Any) -> int | None:
-    """The documented most steps in a row a run can skip before it stops: the skip limit plus the backoffs from the
-    ceiling to the floor (``None`` without a limit)."""
+    """The documented most steps in a row a run can skip before it stops.
+
+    The skip limit plus the backoffs from the ceiling to the floor (``None`` without a limit).
+    """
     limit = scaler.engine.max_consecutive_skips
-    return None if limit is None else limit + scaler.engine.loss_scale.policy.backoffs_to_floor()
+    return None if limit is None else limit + walk_to_floor(scaler.engine.loss_scale.policy)
 
 
 class StateAroundSteps(pl.Callback):

@@ -53,7 +53,7 @@ class PrecisionSetup:
         if self.plugin == "none":
             return {"precision": self.precision}
         if self.precision == "fp8-mixed" and self.plugin == "ours":
-            from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin as Ours
+            from lightning_amp_plus.plugins.precision import MixedPrecisionPlugin as Ours
 
             return {"plugins": [Ours("fp8-mixed", device)]}
         if self.precision not in ("16-mixed", "bf16-mixed") and self.compensation is None:
@@ -70,7 +70,7 @@ class PrecisionSetup:
             if self.precision == "16-mixed" and options:
                 scaler = torch.amp.GradScaler(device, **options)
             return {"plugins": [MixedPrecision(mixed, device, scaler=scaler)]}
-        from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
+        from lightning_amp_plus.plugins.precision import MixedPrecisionPlugin
         from lightning_amp_plus.step.scaler import DynamicLossScaler
 
         ours = DynamicLossScaler(**options) if self.precision == "16-mixed" and options else None

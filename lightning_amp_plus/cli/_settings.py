@@ -293,7 +293,7 @@ class AmpSettings:
         """The Trainer's ``plugins``: ``[MixedPrecisionPlugin(...)]``, or ``[]`` for ``32-true``."""
         if self.precision == "32-true":
             return []
-        from lightning_amp_plus.plugins.trainer import MixedPrecisionPlugin
+        from lightning_amp_plus.plugins.precision import MixedPrecisionPlugin
         from lightning_amp_plus.step.scaler import DynamicLossScaler
         from lightning_amp_plus.step.spikes import SpikeGuard
 

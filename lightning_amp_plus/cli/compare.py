@@ -67,7 +67,7 @@ from lightning_amp_plus.cli._runs import (
 from lightning_amp_plus.cli._settings import model_hparams, task_label, train_settings
 from lightning_amp_plus.cli.chart import write_comparison_chart
 from lightning_amp_plus.monitor import memory as _memory
-from lightning_amp_plus.plugins.trainer import skipped_steps
+from lightning_amp_plus.plugins.precision import skipped_steps
 from lightning_amp_plus.weights.compensated import footprint
 
 __all__ = [
@@ -156,7 +156,7 @@ class ConfigResult:
 class StepTimer(Callback):
     """Times each training batch (forward, backward, optimizer step), records its loss, counts skipped steps.
 
-    Skips are read with :func:`~lightning_amp_plus.plugins.trainer.skipped_steps` at the end; under
+    Skips are read with :func:`~lightning_amp_plus.plugins.precision.skipped_steps` at the end; under
     ``torch.amp.GradScaler``, which counts none, a skipped step is the one after which the scale went down. Scale reads
     and loss reads happen outside the timed span.
 
@@ -305,7 +305,7 @@ def _bytes_per_param(trainer: pl.Trainer) -> float | None:
 
     Every parameter of the shipped models trains, so this is also the figure per model parameter.
     """
-    compensators = getattr(getattr(trainer.precision_plugin, "engine", None), "compensators", None)
+    compensators = getattr(trainer.precision_plugin, "compensators", None)
     footprints = [] if compensators is None else compensators.footprints()
     if footprints:
         per_parameter: float = footprints[0].per_trainable_parameter

@@ -46,7 +46,7 @@ from lightning_amp_plus.cli._settings import (
     train_settings,
 )
 from lightning_amp_plus.cli._workers import launching_workers
-from lightning_amp_plus.plugins.trainer import skipped_steps
+from lightning_amp_plus.plugins.precision import skipped_steps
 
 __all__ = ["batches_per_rank", "train"]
 

@@ -2,7 +2,7 @@
 
 A Trainer callback, and the same readings for Fabric and plain loops through :meth:`MixedPrecisionMonitor.observe`.
 Where the steps come from is decided once, when training starts: this package's plugins record every optimizer step's
-:class:`~lightning_amp_plus.step.outcome.StepResult` (``_EngineSteps``); under Lightning's own plugins the monitor
+:class:`~lightning_amp_plus.step.engine.StepResult` (``_EngineSteps``); under Lightning's own plugins the monitor
 sees each step in ``on_before_optimizer_step`` and reads a ``GradScaler``'s skips off its scale (``_ScaleReadSteps``).
 """
 
@@ -30,13 +30,10 @@ from lightning_amp_plus.monitor.chart import check_chart_path, write_chart
 from lightning_amp_plus.monitor.examiner import Examiner, Replay, trainer_replay
 from lightning_amp_plus.monitor.fp8 import FP8Outlier, FP8Watch
 from lightning_amp_plus.monitor.history import AmpHistory, StepEntry
-from lightning_amp_plus.monitor.nonfinite import Finding, handle_finding
+from lightning_amp_plus.monitor.nonfinite import NonfiniteCheck
 from lightning_amp_plus.monitor.step_sources import EngineSteps, ScaleReadSteps, StepSource, source_for
 from lightning_amp_plus.monitor.summary import summary
-from lightning_amp_plus.plugins.wrappers import user_names
-from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.grads import nonfinite_names
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.engine import StepEngine, StepResult
 from lightning_amp_plus.step.sharding import is_dtensor
 
 __all__ = ["MixedPrecisionMonitor"]
@@ -166,30 +163,44 @@ class MixedPrecisionMonitor(Callback):
         check_bool(name, "autopsy", autopsy)
         autopsy_limit = check_int(name, "autopsy_limit", autopsy_limit, 1, hint=", e.g. 3")
         headroom_interval = check_int(name, "headroom_interval", headroom_interval, 0, hint=" (0: never), e.g. 50")
-        warn_pct = check_real(name, "fp8_flush_warn_pct", fp8_flush_warn_pct, "a percent in [0, 100), e.g. 1.0",
-                              lambda pct: 0 <= pct < 100)  # fmt: skip
-        self.check_interval = check_interval
-        self.on_nonfinite = on_nonfinite
+        warn_pct = check_real(
+            name, "fp8_flush_warn_pct", fp8_flush_warn_pct, "a percent in [0, 100), e.g. 1.0", lambda p: 0 <= p < 100
+        )
+        self._check = NonfiniteCheck(check_interval, on_nonfinite)
         self.log_memory = log_memory
         self._examiner = Examiner(autopsy, autopsy_limit, headroom_interval)
         # Checked now, before any training: a chart that cannot be written must not cost a whole run.
         self.report_path = None if report_path is None else check_chart_path(report_path)
         self.history = AmpHistory()
         """Every step's record and the non-finite events: what the summary and the chart are made from."""
-        self.debug_path: Path | None = None
-        """The file the ``"stop"`` policy saved, once it has."""
-        self.should_stop = False
-        """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
         self._source: StepSource = ScaleReadSteps(None)
         self._watch = _SkipWatch(skip_window, skip_warn_rate)
         self._memory = _memory.MemoryReader()
         self._step_metrics = _StepMetrics(prog_bar)
         self._fp8 = FP8Watch(warn_pct, rank_zero_warn)
-        # The checked model and its parameters by name, read once per model (walking the tree costs more than a check).
-        self._named_of: tuple[nn.Module | None, list[tuple[str, Tensor]]] = (None, [])
         self._training = False  # a fit is under way whose summary is not out yet
 
     # ---------------------------------------------------------------------------------------------- readings
+    @property
+    def check_interval(self) -> int:
+        """Optimizer steps between two checks for inf/NaN."""
+        return self._check.interval
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a non-finite finding does: ``"warn"``, ``"raise"`` or ``"stop"``."""
+        return self._check.policy
+
+    @property
+    def debug_path(self) -> Path | None:
+        """The file the ``"stop"`` policy saved, once it has."""
+        return self._check.debug_path
+
+    @property
+    def should_stop(self) -> bool:
+        """Set by the ``"stop"`` policy in a Fabric loop (:meth:`observe`): end your loop when it is True."""
+        return self._check.should_stop
+
     @property
     def prog_bar(self) -> bool:
         """Whether the loss scale is shown on the progress bar."""
@@ -204,10 +215,6 @@ class MixedPrecisionMonitor(Callback):
     def skip_warn_rate(self) -> float:
         """The skip rate over the window above which the monitor warns."""
         return self._watch.warn_rate
-
-    @property
-    def _named(self) -> list[tuple[str, Tensor]]:
-        return self._named_of[1]
 
     @property
     def fp8_outliers(self) -> list[FP8Outlier]:
@@ -245,8 +252,7 @@ class MixedPrecisionMonitor(Callback):
         plugin = trainer.precision_plugin
         self._start(source_for(plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None, plugin)
         self._training = True  # until this fit's summary is out
-        # Walking the module tree every step costs more than the check itself: the parameters are fixed during fit.
-        self._named_of = (pl_module, user_names(pl_module))
+        self._check.named(pl_module)  # read once: the parameters are fixed during fit
 
     @override
     def on_train_batch_start(
@@ -265,9 +271,8 @@ class MixedPrecisionMonitor(Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Optimizer
     ) -> None:
         self._source.before_step()
-        if self._checking(trainer.global_step) and not self._source.guarded:
-            named = [(n, p.grad) for n, p in self._named if p.grad is not None]
-            self._found(trainer, pl_module, "gradients", nonfinite_names(named), trainer.global_step)
+        if self._check.due(trainer.global_step) and not self._source.guarded:
+            self._check.check("gradients", trainer.global_step, self.history, trainer, pl_module, rank_zero_warn)
 
     @override
     def on_train_batch_end(
@@ -279,8 +284,8 @@ class MixedPrecisionMonitor(Callback):
         memory = self._memory.of_trainer(trainer) if self.log_memory and self._step_metrics.everything else {}
         metrics = self._step_metrics.of(steps, memory) | self._fp8.take(trainer.global_step - 1)
         for key, value in metrics.items():
-            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True,
-                          prog_bar=self.prog_bar and key == "amp/loss_scale")  # fmt: skip
+            on_bar = self.prog_bar and key == "amp/loss_scale"
+            pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True, prog_bar=on_bar)
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         # global_step counts every optimizer step, skipped or not
         self._record(steps, trainer.global_step - len(steps), peak)
@@ -290,8 +295,8 @@ class MixedPrecisionMonitor(Callback):
             for key, value in self._examiner.headroom_metrics().items():
                 pl_module.log(key, value, on_step=True, on_epoch=False, rank_zero_only=True)
         # global_step counts finished steps: checked after every check_interval-th step, reported at its index.
-        if self._checking(trainer.global_step) and not self.should_stop:
-            self._found(trainer, pl_module, "parameters", nonfinite_names(self._named), trainer.global_step - 1)
+        if self._check.due(trainer.global_step) and not self.should_stop:
+            self._check.check("parameters", trainer.global_step - 1, self.history, trainer, pl_module, rank_zero_warn)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -364,20 +369,14 @@ class MixedPrecisionMonitor(Callback):
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
         if model is not None:
-            self._names_of(model)  # its parameters, read once per model: the check's and the summary's
-        if model is not None and self._checking(last + 1):
-            self._found(None, model, "parameters", nonfinite_names(self._names_of(model)), last)
+            self._check.named(model)  # its parameters, read once per model: the check's and the summary's
+        if model is not None and self._check.due(last + 1):
+            self._check.check("parameters", last, self.history, None, model, rank_zero_warn)
         return metrics
-
-    def _names_of(self, model: nn.Module) -> list[tuple[str, Tensor]]:
-        """``model``'s parameters by name, read once (walking the module tree costs more than the check itself)."""
-        if self._named_of[0] is not model:
-            self._named_of = (model, user_names(model))
-        return self._named
 
     def summary(self) -> str:
         """The one-paragraph summary of the run so far (what ``fit`` prints at its end)."""
-        self.history.notes = self._source.notes([param for _, param in self._named])
+        self.history.notes = self._source.notes([param for _, param in self._check.named()])
         return summary(self.history)
 
     def write_chart(self, path: str | Path | None = None) -> Path:
@@ -398,7 +397,7 @@ class MixedPrecisionMonitor(Callback):
             return False
         if not pl_module.automatic_optimization or not trainer.is_global_zero:
             return False
-        return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._named)
+        return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._check.named())
 
     # -------------------------------------------------------------------------------------------------- helpers
     def _start(self, source: StepSource, memory_kind: str | None, plugin: Any, from_first: bool = False) -> None:
@@ -406,7 +405,7 @@ class MixedPrecisionMonitor(Callback):
         self._fp8.start(plugin, from_first=from_first)  # its checks before now are an earlier run's (Trainer)
         self.history = AmpHistory(memory_kind=memory_kind or "process memory", fp8=self._fp8.record)
         self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)  # afresh for each run
-        self.should_stop = False
+        self._check.should_stop = False
         self._examiner.reset()
         # Our plugins' count is a total since the first run, restored from checkpoints: new skips are what it adds.
         self._step_metrics.skips_seen, self._step_metrics.spikes_seen = source.skips_so_far(), 0
@@ -426,23 +425,7 @@ class MixedPrecisionMonitor(Callback):
 
     def _record(self, steps: list[StepResult], first: int, peak: float | None) -> None:
         self._fp8.nonfinite(first + len(steps) - 1, any(result.overflowed for result in steps))  # before any replay
-        for offset, result in enumerate(steps):
-            index = first + offset
-            entry = StepEntry(index, result.scale, result.skipped, result.grad_norm, peak, result.spike_verdict)
-            self.history.steps.append(entry)
-            if result.overflow_params:
-                self.history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
-            self._watch.watch(self.history, self._source.floor())
-
-    def _checking(self, count: int) -> bool:
-        # Inside a step `count` is the index of the step being taken; after it, the number of steps finished.
-        return count % self.check_interval == 0
-
-    def _found(self, trainer: pl.Trainer | None, module: nn.Module, kind: str, names: list[str], step: int) -> None:
-        found = Finding(kind, names, step, self._named, self.history)
-        path = handle_finding(self.on_nonfinite, found, trainer, module, rank_zero_warn)
-        if path is not None:  # "stop": the debug file saved, fit ends
-            self.debug_path, self.should_stop = path, True
+        self._watch.record(self.history, steps, first, peak, self._source.floor())
 
 
 # --------------------------------------------------------------------------------------------- step sources
@@ -505,7 +488,9 @@ class _StepMetrics:
 
 
 class _SkipWatch:
-    """Warns when too many recent steps are skipped, or when the loss scale sits at its floor (each once).
+    """Records each step in the history, and warns when the skips run high or the scale sits at its floor.
+
+    Each warning comes once: too many recent steps skipped, the loss scale at its floor.
 
     State: the recent steps' skip flags, whether a step was applied yet, whether the floor was warned about.
     """
@@ -516,8 +501,22 @@ class _SkipWatch:
         self._applied_yet = False
         self._floor_warned = False
 
-    def watch(self, history: AmpHistory, floor: float | None) -> None:
-        """Look at the last step recorded in ``history`` (``floor``: the loss scale's, if known)."""
+    def record(
+        self, history: AmpHistory, steps: list[StepResult], first: int, peak: float | None, floor: float | None
+    ) -> None:
+        """Record ``steps``, numbered from ``first``, and look at each in turn.
+
+        ``peak`` is the memory peak; ``floor`` the loss scale's, if known.
+        """
+        for offset, result in enumerate(steps):
+            index = first + offset
+            entry = StepEntry(index, result.scale, result.skipped, result.grad_norm, peak, result.spike_verdict)
+            history.steps.append(entry)
+            if result.overflow_params:
+                history.nonfinite_events.append((index, "overflowed gradients", list(result.overflow_params)))
+            self._watch(history, floor)
+
+    def _watch(self, history: AmpHistory, floor: float | None) -> None:
         last = history.steps[-1]
         if not self._applied_yet and not last.skipped:
             # The skips before the first applied step were the scale finding its level from `init_scale`: not a

@@ -23,9 +23,8 @@ from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, measure_headroom
 from lightning_amp_plus.diagnostics.replay import RngState
 from lightning_amp_plus.monitor.history import AmpHistory
-from lightning_amp_plus.plugins.core import half_dtype
 from lightning_amp_plus.plugins.wrappers import unwrapped
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.engine import StepResult
 
 __all__ = ["Examiner", "Replay", "trainer_replay"]
 
@@ -175,8 +174,13 @@ def _min_scale(plugin: Any) -> float:
 def _autocast_of(plugin: Any) -> Callable[[], AbstractContextManager[Any]]:
     # The precision's own forward context, as the step ran it (its autocast, or bf16-true's dtype); a Fabric plugin's
     # even while its wrapper's is suspended for the replay.
-    context: Callable[[], AbstractContextManager[Any]] = getattr(plugin, "precision_context", plugin.forward_context)
+    context: Callable[[], AbstractContextManager[Any]] = plugin.autocast_context_manager
     return context
+
+
+def half_dtype(precision: str) -> torch.dtype:
+    """The half dtype a replay computes in: fp16 for ``"16-mixed"``, else bf16."""
+    return torch.float16 if precision == "16-mixed" else torch.bfloat16
 
 
 @contextmanager

@@ -12,9 +12,10 @@ from torch import Tensor, nn
 
 from lightning_amp_plus.monitor.history import AmpHistory
 from lightning_amp_plus.plugins.wrappers import user_names
+from lightning_amp_plus.step.grads import nonfinite_names
 from lightning_amp_plus.step.sharding import local_view
 
-__all__ = ["Finding", "handle_finding", "save_debug_file"]
+__all__ = ["Finding", "NonfiniteCheck", "handle_finding", "save_debug_file"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,51 @@ class Finding:
     step: int
     named: list[tuple[str, Tensor]]
     history: AmpHistory
+
+
+class NonfiniteCheck:
+    """The monitor's check for inf/NaN, and what a finding does (``policy``: ``"warn"``, ``"raise"``, ``"stop"``).
+
+    Parameters are checked every ``interval`` steps, gradients too where nothing else guards the step.
+
+    State: the interval and the policy, the model checked and its parameters by name (read once per model: walking the
+    module tree costs more than the check), the debug file the ``"stop"`` policy saved, and whether the run should
+    stop.
+    """
+
+    def __init__(self, interval: int, policy: str) -> None:
+        self.interval = interval
+        self.policy = policy
+        self.debug_path: Path | None = None
+        self.should_stop = False
+        self._named_of: tuple[nn.Module | None, list[tuple[str, Tensor]]] = (None, [])
+
+    def due(self, count: int) -> bool:
+        """Whether ``count`` is a check's (inside a step, the step's index; after it, the steps finished)."""
+        return count % self.interval == 0
+
+    def named(self, model: nn.Module | None = None) -> list[tuple[str, Tensor]]:
+        """The parameters by name of ``model`` (read now if it is another model than the last), or of the last one."""
+        if model is not None and self._named_of[0] is not model:
+            self._named_of = (model, user_names(model))
+        return self._named_of[1]
+
+    def check(
+        self,
+        kind: str,
+        step: int,
+        history: AmpHistory,
+        trainer: pl.Trainer | None,
+        module: nn.Module,
+        warn: Callable[[str], None],
+    ) -> None:
+        """Look for inf/NaN in the model's ``kind`` (``"parameters"`` or ``"gradients"``) and act on a finding."""
+        named = self.named()
+        values = named if kind == "parameters" else [(n, p.grad) for n, p in named if p.grad is not None]
+        found = Finding(kind, nonfinite_names(values), step, named, history)
+        path = handle_finding(self.policy, found, trainer, module, warn)
+        if path is not None:  # "stop": the debug file saved, the run ends
+            self.debug_path, self.should_stop = path, True
 
 
 def handle_finding(

@@ -1,6 +1,6 @@
 """Where ``MixedPrecisionMonitor`` learns about each optimizer step: chosen once, when training starts.
 
-This package's plugins record every optimizer step's :class:`~lightning_amp_plus.step.outcome.StepResult` in their
+This package's plugins record every optimizer step's :class:`~lightning_amp_plus.step.engine.StepResult` in their
 engine (:class:`EngineSteps`); under Lightning's own plugins the monitor sees each step in ``on_before_optimizer_step``
 and reads a ``GradScaler``'s skips off its scale (:class:`ScaleReadSteps`).
 """
@@ -13,8 +13,7 @@ from typing import Any, Protocol
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.engine import PendingStep, StepEngine, StepResult
 from lightning_amp_plus.step.sharding import local_view
 from lightning_amp_plus.weights.compensated import per_model_parameter
 
@@ -55,10 +54,10 @@ class EngineSteps:
     def __init__(self, plugin: Any, *, from_first: bool = False) -> None:
         self._plugin = plugin
         self.engine: StepEngine = plugin.engine
-        self.engine.measure_norm = True  # the monitor reads each step's norm: measured from here on (else none is)
+        self.engine.read_norms()  # the monitor reads each step's norm: measured from here on (else none is)
         self.guarded = self.engine.check
         # The Trainer's monitor starts with the run; a Fabric loop's first observe() comes after its first step.
-        recent = self.engine.recent_steps
+        recent = self.engine.log.recent
         self._next = 0 if not recent else (recent[0].index if from_first else recent[-1].index + 1) or 0
 
     def floor(self) -> float | None:
@@ -87,7 +86,9 @@ class EngineSteps:
 
     def _since(self) -> list[StepResult]:
         """The engine's results numbered ``_next`` and later, oldest first."""
-        return [result for result in self.engine.recent_steps if (result.index or 0) >= self._next]
+        # A fused step's values are read here: the monitor reads every step's norm (a reader, by its own choice).
+        recent = self.engine.log.recent
+        return [_read(result) for result in recent if (result.index or 0) >= self._next]
 
     def notes(self, params: Sequence[Tensor] = ()) -> list[str]:
         """What the summary should say about how the steps were taken (compensated weights), if anything.
@@ -96,7 +97,7 @@ class EngineSteps:
         known, per model parameter (frozen ones included): two named figures, so that neither changes meaning with
         what the optimizer was handed.
         """
-        compensators = self.engine.compensators
+        compensators = getattr(self._plugin, "compensators", None)
         footprints = [] if compensators is None else compensators.footprints()
         if compensators is None or not footprints:
             return []
@@ -142,12 +143,12 @@ class ScaleReadSteps:
         scales, self._scales = self._scales, []
         scaler = None if self._trainer is None else self._trainer.scaler
         if scaler is None or not scales:
-            return [StepResult.known(skipped=False, scale=None, grad_norm=None, index=i) for i in range(len(scales))]
+            return [StepResult(skipped=False, index=i) for i in range(len(scales))]
         # torch.amp.GradScaler backs the scale off exactly when it skipped a step, and Lightning's plugin updates it
         # after every optimizer step: each step's outcome is the scale the next one (or the batch's end) sees.
         after = [*scales[1:], float(scaler.get_scale())]
         return [
-            StepResult.known(
+            StepResult(
                 skipped=before is not None and next_scale is not None and next_scale < before,
                 scale=before,
                 grad_norm=None,
@@ -165,3 +166,7 @@ class ScaleReadSteps:
 def source_for(plugin: Any, trainer: pl.Trainer) -> StepSource:
     """The source for ``plugin``: its engine's records if it has one, else what ``trainer``'s scaler shows."""
     return EngineSteps(plugin) if isinstance(getattr(plugin, "engine", None), StepEngine) else ScaleReadSteps(trainer)
+
+
+def _read(step: StepResult | PendingStep) -> StepResult:
+    return step.result if isinstance(step, PendingStep) else step

@@ -1,8 +1,8 @@
-"""The front ends: thin adapters of Lightning's and Fabric's precision hooks over one step engine.
+"""The front ends: one plugin over one step engine, with Fabric's hooks and the Trainer's.
 
-The Trainer's plugins (:mod:`~lightning_amp_plus.plugins.trainer`, :mod:`~lightning_amp_plus.plugins.trainer_fsdp`)
-and Fabric's (:mod:`~lightning_amp_plus.plugins.fabric`, :mod:`~lightning_amp_plus.plugins.fabric_fsdp`) side by side,
-over one shared core (:mod:`~lightning_amp_plus.plugins.core`: settings, refusals, ranks and names) and one checkpoint
-format (:mod:`~lightning_amp_plus.plugins.state`). Users import them as ``lightning_amp_plus.MixedPrecisionPlugin`` and
-``lightning_amp_plus.fabric.MixedPrecisionPlugin``.
+:mod:`~lightning_amp_plus.plugins.precision` holds the plugin (Fabric's face, and the Trainer's: the same plugin plus
+the Trainer's hooks), :mod:`~lightning_amp_plus.plugins.fsdp` the same two under ``FSDPStrategy``,
+:mod:`~lightning_amp_plus.plugins.options` the options all of them take (checked once), and
+:mod:`~lightning_amp_plus.plugins.state` the one checkpoint format. Users import them as
+``lightning_amp_plus.MixedPrecisionPlugin`` and ``lightning_amp_plus.fabric.MixedPrecisionPlugin``.
 """

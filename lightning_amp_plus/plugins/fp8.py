@@ -5,12 +5,11 @@ Shared by the Trainer's and Fabric's ``MixedPrecisionPlugin`` (composition: each
 :func:`fp8_for`; ``None`` for the other precisions). The
 numerics are :mod:`~lightning_amp_plus.weights.fp8`'s; here the Lightning side of them:
 
-* the options, checked once with the plugin's other arguments (:func:`check_fp8_options`, from
-  :func:`~lightning_amp_plus.plugins.core.checked_settings`), each refusal naming the argument, its value and the fix;
+* the options are checked with the plugin's others (:class:`~lightning_amp_plus.plugins.options.Settings`);
 * the device: native float8 GEMMs on CUDA from compute capability 8.9 (Ada, Hopper, Blackwell), refused below it;
   emulated on CPU (correct, slow: one warning); refused on MPS (:func:`check_fp8_device`);
-* the conversion at set-up (:func:`convert_for`), refused where ``fully_shard`` ran first; FSDP1's plugins refuse
-  ``"fp8-mixed"`` (:func:`refuse_fsdp1`);
+* the conversion at set-up (:func:`convert_for`), refused where ``fully_shard`` ran first (FSDP1's plugins refuse
+  ``"fp8-mixed"``);
 * after each optimizer step (:func:`after_step`): the check step's readings and the non-finite flags reduced across
   data-parallel ranks (one SUM all-reduce, so that every rank falls back the same layers), a fallback said on rank
   zero.
@@ -21,120 +20,29 @@ The step engine of ``"fp8-mixed"`` is bf16's: autocast to bf16, the check on, no
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_amp_plus._checks import show
 from lightning_amp_plus.plugins.ranks import world_size
 from lightning_amp_plus.step.sharding import is_dtensor
 from lightning_amp_plus.weights.fp8.convert import eligible
-from lightning_amp_plus.weights.fp8.training import (
-    DEFAULT_CHECK_INTERVAL,
-    DEFAULT_FALLBACK,
-    DEFAULT_RECIPE,
-    FP8Training,
-    check_all_gather,
-    check_check_interval,
-    check_fallback,
-    check_modules,
-    check_recipe,
-    require_torchao,
-)
+from lightning_amp_plus.weights.fp8.training import FP8Training
 
 if TYPE_CHECKING:
-    from lightning_amp_plus.step.outcome import StepResult
+    from lightning_amp_plus.step.engine import PendingStep, StepResult
 
-__all__ = [
-    "FP8",
-    "FP8Options",
-    "after_step",
-    "check_fp8_device",
-    "check_fp8_options",
-    "convert_for",
-    "fp8_for",
-    "refuse_fsdp1",
-]
+__all__ = ["FP8", "after_step", "check_fp8_device", "convert_for", "fp8_for"]
 
 FP8 = "fp8-mixed"
 NATIVE_CAPABILITY = (8, 9)
 """The first CUDA compute capability with float8 GEMMs (``torch._scaled_mm``): Ada (sm89), Hopper, Blackwell."""
 
 
-@dataclass(frozen=True)
-class FP8Options:
-    """The ``fp8_*`` arguments, checked (see ``MixedPrecisionPlugin``)."""
-
-    recipe: Any
-    modules: Any
-    check_interval: int
-    fallback: float | None
-
-
-DEFAULTS = FP8Options(DEFAULT_RECIPE, None, DEFAULT_CHECK_INTERVAL, DEFAULT_FALLBACK)
-
-
-def check_fp8_options(
-    name: str,
-    precision: str,
-    *,
-    recipe: object,
-    modules: object,
-    check_interval: object,
-    fallback: object,
-    skip_nonfinite: bool,
-) -> FP8Options | None:
-    """The checked ``fp8_*`` options for ``"fp8-mixed"`` (``None`` for another precision, which must leave them alone).
-
-    Raises:
-        ValueError: an unknown recipe, a bad interval or fallback, ``fp8_*`` options with another precision,
-            ``skip_nonfinite=False`` with ``"fp8-mixed"``, a fallback with the weights all-gathered in FP8.
-        TypeError: ``fp8_modules`` neither ``None``, ``"auto"`` nor callable.
-        ModuleNotFoundError: ``"fp8-mixed"`` without torchao (the message names the install command).
-
-    Examples:
-        >>> check_fp8_options("MixedPrecisionPlugin", "bf16-mixed", recipe="rowwise", modules=None,
-        ...                   check_interval=50, fallback=1.0, skip_nonfinite=True)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `MixedPrecisionPlugin('bf16-mixed', fp8_recipe='rowwise')`: the fp8_* options configure precisi...
-    """
-    given = {"fp8_recipe": recipe, "fp8_modules": modules, "fp8_check_interval": check_interval}
-    given["fp8_fallback"] = fallback
-    if precision != FP8:
-        changed = [
-            f"{key}={show(value)}"
-            for (key, value), default in zip(given.items(), vars(DEFAULTS).values(), strict=True)
-            if not (value is default or value == default)
-        ]
-        if changed:
-            raise ValueError(
-                f"`{name}({precision!r}, {', '.join(changed)})`: the fp8_* options configure precision='fp8-mixed', "
-                f"which {precision!r} is not. Use '{FP8}', or drop {', '.join(c.split('=')[0] for c in changed)}."
-            )
-        return None
-    options = FP8Options(
-        check_recipe(name, "fp8_recipe", recipe),
-        check_modules(name, "fp8_modules", modules),
-        check_check_interval(name, "fp8_check_interval", check_interval),
-        check_fallback(name, "fp8_fallback", fallback),
-    )
-    if not skip_nonfinite:
-        raise ValueError(
-            f"`{name}('{FP8}', skip_nonfinite=False)`: one NaN or inf in an FP8 layer's input makes its whole output "
-            "non-finite, and the check that skips such a step is what keeps it from reaching the weights and names "
-            "the layer. Keep skip_nonfinite=True (the default)."
-        )
-    require_torchao(name)
-    check_all_gather(name, options.recipe, options.fallback, ("fp8_recipe", "fp8_fallback"))
-    return options
-
-
 class FP8Settings(Protocol):
-    """What :func:`fp8_for` reads of a plugin's settings (:class:`~lightning_amp_plus.plugins.core.Settings`)."""
+    """What :func:`fp8_for` reads of a plugin's settings (:class:`~lightning_amp_plus.plugins.options.Settings`)."""
 
     @property
     def precision(self) -> str: ...
@@ -155,20 +63,6 @@ def fp8_for(name: str, settings: FP8Settings) -> FP8Training | None:
     return FP8Training(
         settings.fp8_recipe, settings.fp8_modules, settings.fp8_check_interval, settings.fp8_fallback, owner=name
     )
-
-
-def refuse_fsdp1(name: str, precision: object, framework: str) -> None:
-    """Refuse ``"fp8-mixed"`` in an FSDP1 plugin, naming FSDP2, where torchao trains in FP8.
-
-    Raises:
-        ValueError: ``precision`` is ``"fp8-mixed"``.
-    """
-    if precision == FP8:
-        raise ValueError(
-            f"`{name}('{FP8}')` is not supported: torchao trains in FP8 under FSDP2, not FSDP1's flat parameters. Use "
-            f"{framework}(strategy=ModelParallelStrategy(...)) with MixedPrecisionPlugin('{FP8}') and "
-            "`fully_shard(..., mp_policy=plugin.mp_policy)` (docs: FP8 training, FSDP2)."
-        )
 
 
 def check_fp8_device(name: str, device: str, warn: bool) -> None:
@@ -223,7 +117,7 @@ def convert_for(name: str, fp8: FP8Training, module: nn.Module) -> None:
         fp8.convert(module)
 
 
-def after_step(fp8: FP8Training, result: StepResult | None) -> None:
+def after_step(fp8: FP8Training, result: StepResult | PendingStep | None) -> None:
     """After an optimizer step, skipped or not: readings and flags reduced over the ranks, a fallback said on rank 0."""
     fp8.after_step(result, reduce=_reduce_over_ranks(), warn=_rank_zero_warn)
 

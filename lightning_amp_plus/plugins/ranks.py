@@ -1,7 +1,8 @@
 """Where the gradients live across ranks, as a plugin learns it at set-up: replicated (DDP) or sharded (FSDP, FSDP2).
 
-Every rank must take the same skip decision: :func:`set_up_ranks` gives the engine a MAX over the world under DDP, or
-the sharding whose weighted SUM gives the global norm under FSDP and FSDP2.
+Every rank must take the same skip decision: :func:`set_up_ranks` gives the engine its
+:class:`~lightning_amp_plus.step.sharding.Ranks`: a MAX over the world under DDP, or the sharding whose weighted SUM
+gives the global norm under FSDP and FSDP2.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.sharding import Sharding, is_dtensor
+from lightning_amp_plus.step.sharding import Ranks, Sharding, is_dtensor
 
 __all__ = ["fsdp2_policy", "refuse_sharded_master_weights", "set_up_ranks", "sharding_of", "world_size"]
 
@@ -23,11 +24,11 @@ def set_up_ranks(engine: StepEngine, params: Sequence[Tensor], wrapper: nn.Modul
     sharding = sharding_of(params, wrapper)
     if sharding is not None:
         # Each rank holds a shard: one weighted SUM over the world gives the norm and the skip decision.
-        engine.sharding = sharding
-    elif world_size() > 1 and engine.process_group is None:
+        engine.ranks = Ranks(sharding=sharding)
+    elif world_size() > 1 and engine.ranks is None:
         # An overflow seen on one rank only (a rank-local fault, unused parameters) must skip the step everywhere,
         # or the replicas drift apart.
-        engine.process_group = torch.distributed.group.WORLD
+        engine.ranks = Ranks(group=torch.distributed.group.WORLD)
 
 
 def world_size() -> int:

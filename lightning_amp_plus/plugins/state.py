@@ -14,8 +14,9 @@ from typing import Any
 from lightning.fabric.utilities import rank_zero_warn
 
 from lightning_amp_plus._checks import COUNTER_MAX
-from lightning_amp_plus.plugins.core import Settings
+from lightning_amp_plus.plugins.options import Settings
 from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.weights.compensated import Compensators
 from lightning_amp_plus.weights.fp8.training import FP8Training
 
 __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
@@ -23,7 +24,9 @@ __all__ = ["FORMAT", "is_grad_scaler_state", "load_state", "save_state"]
 FORMAT = "lightning_amp_plus/1"
 
 
-def save_state(engine: StepEngine, settings: Settings, fp8: FP8Training | None = None) -> dict[str, Any]:
+def save_state(
+    engine: StepEngine, settings: Settings, fp8: FP8Training | None = None, compensators: Compensators | None = None
+) -> dict[str, Any]:
     """The plugin's state: ``{}`` when nothing is checked nor compensated (nothing to restore).
 
     With ``"fp8-mixed"``, ``"fp8"`` holds the FP8 training's state: the layers fallen back and the fallback rule's
@@ -37,8 +40,9 @@ def save_state(engine: StepEngine, settings: Settings, fp8: FP8Training | None =
         "master_weights": settings.master_weights,
         **engine.state_dict(),
     }
-    if settings.compensation is not None:
-        state["compensation_method"] = settings.compensation
+    if compensators is not None:
+        state["compensation_method"] = compensators.method
+        state["compensation"] = compensators.state_dict()
     if fp8 is not None:
         state["fp8"] = fp8.state_dict()
     return state
@@ -50,7 +54,13 @@ def is_grad_scaler_state(state: dict[str, Any]) -> bool:
 
 
 def load_state(
-    state: object, engine: StepEngine, *, owner: str, settings: Settings, fp8: FP8Training | None = None
+    state: object,
+    engine: StepEngine,
+    *,
+    owner: str,
+    settings: Settings,
+    fp8: FP8Training | None = None,
+    compensators: Compensators | None = None,
 ) -> dict[str, Any]:
     """Check a saved plugin state against this run's ``settings`` and load it into ``engine`` (and ``fp8``).
 
@@ -60,6 +70,7 @@ def load_state(
         owner: the plugin's class name (its checkpoint key), for the messages.
         settings: this run's settings; the precision, master weights and compensation must equal the saved ones.
         fp8: the plugin's FP8 training (``"fp8-mixed"``): the layers the saved run fell back fall back now.
+        compensators: the plugin's compensated updates (``"bf16-true"``), given their saved state.
 
     Returns:
         The state, checked (for the plugin's own extra keys).
@@ -95,7 +106,9 @@ def load_state(
             f"The checkpoint's {owner} state holds fp8={type(saved_fp8).__name__}; expected a dict (the FP8 layers "
             f"fallen back). Remove checkpoint['{owner}']['fp8'] to start with every layer in FP8."
         )
-    engine.load_state_dict(state["scaler"], held, compensation, guard)
+    engine.load_state_dict(state["scaler"], held, guard)
+    if compensation is not None and compensators is not None:
+        compensators.load_state_dict(compensation)
     if saved_fp8 is not None and fp8 is not None:
         fp8.load_state_dict(saved_fp8)
     return state

@@ -15,8 +15,7 @@ from torch import Tensor, nn  # noqa: F401 (nn: the docstring examples run in th
 from torch.optim import Optimizer
 
 from lightning_amp_plus._checks import TRACKER_MAX, is_int, real, require, show
-from lightning_amp_plus.step.engine import StepEngine
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.engine import PendingStep, StepEngine, StepResult
 from lightning_amp_plus.step.policy import LossScale, ScalePolicy
 
 __all__ = ["DynamicLossScaler"]
@@ -24,6 +23,8 @@ __all__ = ["DynamicLossScaler"]
 _FLOAT32 = torch.finfo(torch.float32)
 # Backoff factors this close to 1 round to no backoff at all in float32 (f32(s * b) == s).
 _BACKOFF_MAX = 1.0 - 2.0**-22
+# The instance's own attributes; any other name set on an instance must be one of the class's (see __setattr__).
+_OWN_ATTRIBUTES = ("_device", "_enabled", "_init_scale", "_loss_scale", "engine")
 
 
 class DynamicLossScaler:
@@ -33,15 +34,15 @@ class DynamicLossScaler:
     ``enabled=False``), the same calls (``scale(loss).backward()``, ``unscale_(optimizer)`` before clipping,
     ``step(optimizer)``, ``update()``), accessors and state keys. What it adds:
 
-    * The scale stays within ``[min_scale, max_scale]``: it can never reach 0, inf or a denormal, so the PyTorch failure
-      where 170 overflows in a row take the scale to 0, the inverse to inf and the weights to NaN cannot happen.
-    * After :meth:`unscale_`, the check measures the global norm of the *unscaled* gradients as
-      ``torch.nn.utils.clip_grad_norm_`` measures it; :meth:`clip_grad_norm_` reuses that norm (clipping is
-      bit-identical to torch's) instead of reading the gradients again, and :meth:`result` reports it. A
-      :meth:`step` with no :meth:`unscale_` before it (nothing clips, nothing reads the gradients) unscales and checks
-      in one pass with GradScaler's own kernel and measures no norm (``result(optimizer).grad_norm`` is ``None``,
-      except on the fused path, whose check is a norm, and under a monitor, which asks for it). Only inf/NaN values
-      skip a step, as in GradScaler: finite gradients whose norm passes float32's range are stepped, measured or not.
+    * The scale stays within ``[min_scale, max_scale]``: it can never reach 0, inf or a denormal, so GradScaler's
+      failure cannot happen (from 2**16, 166 overflows in a row take its scale to 0; the first finite gradients after
+      that are multiplied by 1/0 and the weights turn NaN).
+    * :meth:`unscale_` and :meth:`step` check as GradScaler does, in its one pass (its own kernel: the same values,
+      the same cost), and only inf/NaN values skip a step. The global norm of the unscaled gradients is measured only
+      when something reads it: :meth:`clip_grad_norm_` (which clips with it, bit for bit torch's
+      ``clip_grad_norm_``, and multiplies only when over the limit), a ``MixedPrecisionMonitor``, a spike guard;
+      :meth:`result` reports it (``None`` when nothing asked). In nanoGPT's loop (``unscale_``, then torch's own
+      ``clip_grad_norm_``) the scaler makes GradScaler's passes and no other.
     * ``hysteresis`` overflows are tolerated before the scale backs off (1 behaves like GradScaler).
     * Skipped steps are counted (:attr:`skipped_steps`); the parameters whose gradients were non-finite are named
       (``result(optimizer).overflow_params``), only on skipped steps, so normal steps pay nothing.
@@ -55,15 +56,15 @@ class DynamicLossScaler:
 
     **Two paths** (see :mod:`~lightning_amp_plus.step.engine`). An optimizer with PyTorch's fused protocol
     (``Adam``/``AdamW``/``SGD``/``Adagrad(fused=True)``) stepped without a prior :meth:`unscale_` takes the *fused
-    path*: the scale and the overflow flag go to the optimizer's kernel, and the scale policy advances on the device
-    too: no host read in the step. The step's values are read later, all at once, when something reads them
-    (:attr:`skipped_steps`, a :class:`~.outcome.StepResult` field, :meth:`get_scale`, :meth:`state_dict`) or when the
-    skip limit could be reached. Otherwise (clipping, any other optimizer) the *unscale path*: :meth:`unscale_`
-    unscales, checks and measures and reads the norm back, the step's one host read; the policy runs on the host from
-    it, and the device's copy of the scale is written only when the policy changes it: :meth:`update` never reads.
+    path*: GradScaler's check (by 1.0), then the scale and the overflow flag go to the optimizer's kernel: no host
+    read in the step. The step's values are read later, all at once, when something reads them (:attr:`skipped_steps`,
+    a field of :meth:`result`, :meth:`state_dict`) or when the skip limit could be reached. Otherwise the *unscale
+    path*: the check's flag is read on the host (the step's one host read, as GradScaler's ``step``). On both paths
+    :meth:`update` moves the scale on its device from the steps' flags there: it never reads.
 
-    For a distributed loop, set ``scaler.engine.process_group`` (DDP: every rank skips alike) or
-    ``scaler.engine.sharding`` (FSDP, FSDP2), and ``scaler.engine.name_parameters(model)`` for readable names.
+    For a distributed loop, set ``scaler.engine.ranks`` to a :class:`~lightning_amp_plus.step.sharding.Ranks`
+    (``Ranks(group=dist.group.WORLD)`` for DDP, ``Ranks(sharding=Sharding())`` for FSDP and FSDP2: every rank then
+    skips alike), and ``scaler.engine.name_parameters(model)`` for readable names.
 
     Args:
         device: the device type the loss lives on, as GradScaler's first argument (``"cuda"``, ``"cpu"``); the scale
@@ -100,9 +101,6 @@ class DynamicLossScaler:
         (512.0, 0, False)
     """
 
-    # Slots: an attribute GradScaler does not have (``scaler.process_group = ...``) is refused, not ignored silently.
-    __slots__ = ("_device", "_enabled", "_init_scale", "_loss_scale", "engine")
-
     def __init__(
         self,
         device: str | torch.device | None = None,
@@ -127,7 +125,6 @@ class DynamicLossScaler:
         self._enabled = enabled
         self._init_scale = float(init_scale)
         policy = ScalePolicy(
-            scale=float(init_scale),
             growth_factor=float(growth_factor),
             backoff_factor=float(backoff_factor),
             growth_interval=int(growth_interval),
@@ -135,12 +132,23 @@ class DynamicLossScaler:
             min_scale=float(min_scale),
             max_scale=float(max_scale),
         )
-        self._loss_scale = LossScale(policy)
+        self._loss_scale = LossScale(policy, float(init_scale))
         self.engine = StepEngine(
             self._loss_scale if enabled else None,
             check=enabled,
             max_consecutive_skips=max_consecutive_skips,
         )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # A name GradScaler does not have (``scaler.process_group = ...``) is refused, not ignored silently; a method
+        # may be replaced on an instance, as GradScaler's can (``mock.patch.object(scaler, "step", wraps=...)`` in
+        # Lightning's own tests: tests/step/test_scaler_dropin.py runs it).
+        if name not in _OWN_ATTRIBUTES and not hasattr(type(self), name):
+            raise AttributeError(
+                f"`DynamicLossScaler` has no attribute {name!r}: setting it would do nothing. The step engine's "
+                "settings are on `scaler.engine` (e.g. `scaler.engine.ranks`)."
+            )
+        object.__setattr__(self, name, value)
 
     def __repr__(self) -> str:
         c = self._loss_scale.policy
@@ -186,20 +194,22 @@ class DynamicLossScaler:
         )
 
     def unscale_(self, optimizer: Optimizer) -> None:
-        """Divide the optimizer's gradients by the scale in place, check them and measure their global norm.
+        """Divide the optimizer's gradients by the scale in place and check them for inf/NaN (GradScaler's one pass).
 
         Call it before clipping or inspecting gradients; :meth:`step` does it otherwise. A second call before
-        :meth:`update` does nothing, so the gradients are unscaled exactly once. This is the step's one host read.
-        Disabled, nothing.
+        :meth:`update` does nothing, so the gradients are unscaled exactly once. This is the step's one host read. The
+        norm is measured here only for a reader (a monitor, a spike guard); :meth:`clip_grad_norm_` measures it when
+        it clips. Disabled, nothing.
         """
-        self.engine.prepare(optimizer)
+        self.engine.unscale(optimizer)
 
     def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float) -> float:
-        """Clip the optimizer's gradients to a global L2 norm of ``max_norm``, with the norm :meth:`unscale_` measured.
+        """Clip the optimizer's gradients to a global L2 norm of ``max_norm``.
 
-        That norm is ``torch.nn.utils.clip_grad_norm_``'s, bit for bit, and so are the clipped gradients. Unscales
-        first if needed. On an overflow step nothing is multiplied (the step will be skipped). Disabled,
-        ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters.
+        The norm is ``torch.nn.utils.clip_grad_norm_``'s, bit for bit, and so are the clipped gradients; it is
+        measured once (reused if a reader measured it already), and the gradients are multiplied only when the norm is
+        over the limit. Unscales first if needed. On an overflow step nothing is multiplied (the step will be skipped).
+        Disabled, ``torch.nn.utils.clip_grad_norm_`` over the optimizer's parameters.
 
         Returns:
             The global norm before clipping, as ``torch.nn.utils.clip_grad_norm_`` returns it.
@@ -215,7 +225,8 @@ class DynamicLossScaler:
             What ``optimizer.step`` returned, or ``None`` when the step was skipped on the host.
 
         Raises:
-            FloatingPointError: the skip limit was reached (on the fused path, from :meth:`update`).
+            FloatingPointError: the skip limit was reached (on the fused path, at the step by which it could have been:
+                the steps' values are read then).
         """
         if not self._enabled:
             return self.engine.step(optimizer, lambda: optimizer.step(*args, **kwargs))
@@ -232,21 +243,18 @@ class DynamicLossScaler:
         Args:
             new_scale: set the scale to this value instead (a number or a one-element tensor, clamped to
                 ``[min_scale, max_scale]``; a tensor is read on the host).
-
-        Raises:
-            FloatingPointError: the skip limit was reached on the fused path.
         """
         if not self._enabled:
             return
         if new_scale is None:
-            self.engine.end_batch()
+            self.engine.update()
             return
         policy = self._loss_scale.policy
-        self.engine.end_batch(new_scale=min(max(_new_scale_value(new_scale), policy.min_scale), policy.max_scale))
+        self.engine.update(new_scale=min(max(_new_scale_value(new_scale), policy.min_scale), policy.max_scale))
 
     # ------------------------------------------------------------------------------------------------ readings
     def get_scale(self) -> float:
-        """The current scale as a Python float (1.0 when disabled); a host read after fused steps, else free."""
+        """The current scale as a Python float (1.0 when disabled): a host read, as GradScaler's."""
         return self._loss_scale.value() if self._enabled else 1.0
 
     @property
@@ -254,8 +262,11 @@ class DynamicLossScaler:
         """Optimizer steps skipped since the start (restored from checkpoints)."""
         return self.engine.skipped_steps
 
-    def result(self, optimizer: Optimizer) -> StepResult | None:
-        """The :class:`~.outcome.StepResult` of ``optimizer``'s latest step (``None`` before its first)."""
+    def result(self, optimizer: Optimizer) -> StepResult | PendingStep | None:
+        """The :class:`~.engine.StepResult` of ``optimizer``'s latest step (``None`` before its first).
+
+        A fused step not read yet is a :class:`~.engine.PendingStep`, which reads the same way.
+        """
         return self.engine.result(optimizer)
 
     def is_enabled(self) -> bool:

@@ -19,6 +19,7 @@ Examples:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Sharding", "holders", "is_dtensor", "local_view", "local_views", "max_across_ranks"]
+__all__ = ["Ranks", "Sharding", "holders", "is_dtensor", "local_view", "local_views", "max_across_ranks"]
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -90,9 +91,14 @@ class Sharding:
     group: Any = None
 
     def weights(self, grads: Sequence[Tensor], device: torch.device | None = None) -> Tensor:
-        """``1 / holders`` of each gradient (float32): the weight of its local squared norm in the world sum."""
-        values = [1.0 / holders(grad, self.replicas) for grad in grads]
-        return torch.tensor(values, dtype=torch.float32, device=device)
+        """``1 / holders`` of each gradient (float32): the weight of its local squared norm in the world sum.
+
+        The same gradients give the same weights at every step: the tensor is made once per set of weights and device
+        (a host list copied to an accelerator is a blocking copy; a cached tensor is none).
+        """
+        return _weights_tensor(
+            tuple(1.0 / holders(grad, self.replicas) for grad in grads), torch.device(device or "cpu")
+        )
 
     def all_reduce_(self, squared_total: Tensor) -> Tensor:
         """SUM ``squared_total`` over the group, in place (a no-op in a single process); returns it."""
@@ -101,6 +107,40 @@ class Sharding:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
             dist.all_reduce(squared_total, op=dist.ReduceOp.SUM, group=self.group)
         return squared_total
+
+
+@functools.lru_cache(maxsize=64)
+def _weights_tensor(values: tuple[float, ...], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where a step's gradients live across ranks, so that every rank takes the same skip decision.
+
+    Exactly one is set: ``group`` for replicated gradients (DDP: every rank holds the whole averaged gradient; the flag
+    and the norm are the MAX over the group, so a fault seen on one rank skips the step everywhere), ``sharding`` for
+    gradients spread over ranks (FSDP, FSDP2: one SUM all-reduce of the weighted local squares gives the norm and the
+    flag everywhere).
+
+    Examples:
+        >>> ranks = Ranks(sharding=Sharding(replicas=1))
+        >>> ranks.reduce_flag(torch.tensor([1.0])), ranks.local([torch.ones(2)])
+        (tensor([1.]), [tensor([1., 1.])])
+    """
+
+    group: Any = None
+    sharding: Sharding | None = None
+
+    def local(self, grads: Sequence[Tensor]) -> list[Tensor]:
+        """The values this rank holds of each gradient (a DTensor's local shard; a plain tensor itself)."""
+        return local_views(grads) if self.sharding is not None else list(grads)
+
+    def reduce_flag(self, found: Tensor) -> Tensor:
+        """Every rank's overflow flag (1.0 or 0.0) from this rank's: SUM over the shards, MAX over the replicas."""
+        if self.sharding is not None:
+            return self.sharding.all_reduce_(found)
+        return max_across_ranks(found, self.group) if self.group is not None else found
 
 
 def max_across_ranks(norm: Tensor, group: Any) -> Tensor:

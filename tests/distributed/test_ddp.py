@@ -47,8 +47,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin, SpikeGuard
-from lightning_amp_plus.step import grads as step_grads
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step import sharding as step_sharding
+from lightning_amp_plus.step.engine import StepResult
 
 pytestmark = [
     pytest.mark.integration,
@@ -158,7 +158,8 @@ class Recorder(pl.Callback):
         }
         # This callback reads each step's norm, so it asks for it as a monitor does, in half the modes: the other half
         # checks in GradScaler's one pass, no norm. Both flags are reduced across ranks.
-        plugin.engine.measure_norm = plugin.settings.master_weights
+        if plugin.settings.master_weights:
+            plugin.engine.read_norms()
         if plugin.settings.master_weights:
             # The plugin has registered its half-precision hook (DDP takes one): watch the all-reduces it makes.
             self._recording = HalfAllReduces(self.buckets)
@@ -179,7 +180,7 @@ class Recorder(pl.Callback):
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         plugin = trainer.precision_plugin
         assert isinstance(plugin, MixedPrecisionPlugin)
-        last = plugin.recent_steps[-1] if plugin.recent_steps else StepResult.known(skipped=False)  # none: accumulating
+        last = plugin.recent_steps[-1] if plugin.recent_steps else StepResult(skipped=False)  # none: accumulating
         self.batches.append(
             {
                 "global_step": trainer.global_step,  # after the batch: a skipped step counts too
@@ -207,7 +208,7 @@ class Recorder(pl.Callback):
             "dtypes": [str(p.dtype) for p in pl_module.parameters()],
             "skipped_steps": plugin.skipped_steps,
             "global_step": trainer.global_step,
-            "measured": plugin.engine.measure_norm,
+            "measured": plugin.engine.norms_read,
         }
 
 
@@ -273,7 +274,7 @@ def without_the_reduction(out: Path) -> dict[str, Any]:
     """The same fault with the overflow flag NOT reduced across ranks: what the feature prevents."""
     torch.manual_seed(0)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(step_grads, "max_across_ranks", lambda norm, group: norm)
+        patch.setattr(step_sharding, "max_across_ranks", lambda norm, group: norm)
         return recorded_fit(RankData(), our_plugin("bf16-mixed", False), FAULT_STEP + 2)
 
 

@@ -257,7 +257,7 @@ def check_faults_leave_no_trace(
     assert watch.lrs == [clean_lrs[run.model.data_index(step)] for step in range(steps)]
     lr_scheduler = run.trainer.lr_scheduler_configs[0].scheduler
     assert lr_scheduler.last_epoch == clean_steps
-    assert run.plugin.engine.held_schedulers.held_steps == len(faults)
+    assert run.plugin.engine.log.held_schedulers.held_steps == len(faults)
     # Recovery: the faulty run ends where the fault-free one ends, having applied the same batches in the same order.
     # bf16 has no loss scale: a skipped step changes nothing, the arithmetic is the same, bit for bit. In fp16 each
     # fault halves the scale; power-of-two scaling commutes with fp16 rounding except where scaled gradients fall into

@@ -89,6 +89,7 @@ class Steps(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         optimizer = trainer.optimizers[0]
+        trainer.precision_plugin.engine.read_norms()  # type: ignore[attr-defined]  # this callback reads each norm
 
         def seen(*_: Any) -> None:  # at optimizer.step: after clipping, what the optimizer is handed
             local = [
@@ -137,7 +138,7 @@ def record_fit(strategy: str, precision: str, master_weights: bool, **kwargs: An
         "steps": steps.steps,
         "params": full_parameters(trainer, model),
         "skipped_steps": trainer.precision_plugin.skipped_steps,  # type: ignore[attr-defined]
-        "held": trainer.precision_plugin.engine.held_schedulers.held_steps,  # type: ignore[attr-defined]
+        "held": trainer.precision_plugin.engine.log.held_schedulers.held_steps,  # type: ignore[attr-defined]
     }
 
 

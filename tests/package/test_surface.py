@@ -33,19 +33,40 @@ def test_the_scaler_has_at_most_twenty_public_names_grad_scalers_fourteen_among_
 
 
 @pytest.mark.parametrize(
-    ("make", "base"),
+    ("make", "anchors"),
     [
-        (lambda: MixedPrecisionPlugin("16-mixed"), trainer_precision.Precision),
-        (lambda: FSDPMixedPrecisionPlugin("16-mixed"), trainer_precision.FSDPPrecision),
-        (lambda: amp_fabric.MixedPrecisionPlugin("16-mixed"), fabric_precision.Precision),
-        (lambda: amp_fabric.FSDPMixedPrecisionPlugin("16-mixed"), fabric_precision.FSDPPrecision),
+        (lambda: MixedPrecisionPlugin("16-mixed"), lambda: [trainer_precision.MixedPrecision("16-mixed", "cpu")]),
+        (
+            lambda: FSDPMixedPrecisionPlugin("16-mixed"),
+            lambda: [trainer_precision.FSDPPrecision("16-mixed"), trainer_precision.MixedPrecision("16-mixed", "cpu")],
+        ),
+        (
+            lambda: amp_fabric.MixedPrecisionPlugin("16-mixed"),
+            lambda: [fabric_precision.MixedPrecision("16-mixed", "cpu")],
+        ),
+        (
+            lambda: amp_fabric.FSDPMixedPrecisionPlugin("16-mixed"),
+            lambda: [fabric_precision.FSDPPrecision("16-mixed"), fabric_precision.MixedPrecision("16-mixed", "cpu")],
+        ),
     ],
     ids=["trainer", "trainer-fsdp", "fabric", "fabric-fsdp"],
 )
-def test_each_plugin_adds_at_most_ten_public_names_to_its_frameworks_precision(make: Any, base: type) -> None:
+@pytest.mark.filterwarnings("ignore:torch.cuda.amp.GradScaler is enabled, but CUDA is not available:UserWarning")
+def test_each_plugin_keeps_its_anchors_names_and_adds_at_most_ten(make: Any, anchors: Any) -> None:
+    """The anchors are the framework's plugins at the same precision, as instances (their attributes count too).
+
+    An FSDP plugin is the mixed-precision plugin over FSDP: it keeps both contracts, Lightning's ``FSDPPrecision``'s
+    and its ``MixedPrecision``'s (``autocast_context_manager``, ``device``).
+    """
     plugin = make()
-    added = {name for name in dir(plugin) if not name.startswith("_")} - public(base)  # its instance attributes too
+    theirs = set().union(*(public_of(anchor) for anchor in anchors()))
+    assert theirs <= public_of(plugin), sorted(theirs - public_of(plugin))
+    added = public_of(plugin) - theirs
     assert len(added) <= 10, sorted(added)
+
+
+def public_of(instance: object) -> set[str]:
+    return {name for name in dir(instance) if not name.startswith("_")}
 
 
 def classes() -> list[tuple[str, ast.ClassDef]]:

@@ -121,7 +121,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_holds_the_schedule(comp
 
     plugin = bf16_true(compensation)
     trainer = train(model, plugin, steps=8, callbacks=[Weights()])
-    assert plugin.skipped_steps == 1 and plugin.engine.held_schedulers.held_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.log.held_schedulers.held_steps == 1
     torch.testing.assert_close(weights[5], weights[4], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-3  # 7 applied steps of StepLR(step_size=20)
@@ -267,7 +267,7 @@ def distributed_fit(strategy: str) -> dict[str, Any]:
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )  # fmt: skip
     trainer.fit(model, batches(n=256))
-    compensator = plugin.engine.compensators.of(trainer.optimizers[0], 0)
+    compensator = plugin.compensators.of(trainer.optimizers[0], 0)
     buffers = [b for group in compensator.state_dict()["compensation"] for b in group if b is not None]
     local = [getattr(b, "to_local", lambda b=b: b)() for b in buffers]
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]

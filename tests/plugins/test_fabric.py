@@ -4,11 +4,10 @@ The reference is Fabric's built-in ``MixedPrecision`` at the same precision (fp1
 like our scaler), run through the same loop (:mod:`fabric_loops`): the parameters after every optimizer step are
 compared bit for bit, over steps with injected overflows, with clipping by norm and by value, with accumulation.
 
-What is fair to compare on an overflow step: Fabric's built-in clips by norm with torch's ``clip_grad_norm_`` and its
-default ``error_if_nonfinite=True``, so on an overflow step it raises (a premise test shows it). The reference is
-therefore run with ``error_if_nonfinite=False``, which changes nothing on a finite step (the flag only decides whether
-to raise) and on an overflow step lets GradScaler skip the step it found non-finite at ``unscale_``: the reference's
-parameters are those of the step being skipped, which is what ours must do with Fabric's defaults, without raising.
+``fabric.clip_gradients`` keeps Fabric's contract with either plugin: torch's ``clip_grad_norm_`` over the unscaled
+gradients, which with Fabric's default ``error_if_nonfinite=True`` raises on an overflow step. The loops here pass
+``error_if_nonfinite=False`` (:class:`fabric_loops.Loop`'s default), which changes nothing on a finite step and on an
+overflow step lets the plugin skip the step it found non-finite, ours and GradScaler alike.
 """
 
 from __future__ import annotations
@@ -61,11 +60,6 @@ def saved_scale(plugin: MixedPrecisionPlugin) -> float:
     return float(plugin.state_dict()["scaler"]["scale"])
 
 
-def fabric_reference(loop: Loop) -> Loop:
-    """The same loop for Fabric's built-in: clipping by norm that does not raise on an overflow step (module doc)."""
-    return Loop(**{**loop.__dict__, "error_if_nonfinite": False})
-
-
 # ------------------------------------------------------------------------------------------ fp16, bit for bit
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 @pytest.mark.parametrize("accumulate", [1, 3])
@@ -75,39 +69,46 @@ def test_fp16_equals_fabrics_builtin_with_gradscaler_bit_for_bit_over_overflows(
 ) -> None:
     loop = Loop(steps=STEPS, accumulate=accumulate, clip=clip, overflow_at=OVERFLOWS, optimizer=optimizer)
     mine = train(ours(), loop)
-    theirs = train(fabrics(), fabric_reference(loop))
+    theirs = train(fabrics(), loop)
     assert_same_runs(mine, theirs, what=f"clip={clip}, accumulate={accumulate}, {optimizer}")
     assert mine.plugin.skipped_steps == len(OVERFLOWS)
     # The scale's last move is made at the next backward, or when the state is saved (as here); GradScaler's at once.
     assert saved_scale(mine.plugin) == theirs.plugin.scaler.get_scale()
     assert saved_scale(mine.plugin) != START_SCALE  # it moved: backed off twice, grew twice (premise)
     if clip == "norm":
-        # What fabric.clip_gradients returns: torch's norm before clipping on a finite step; 0.0 on a skipped one,
-        # where the plugin hands torch nothing to clip (the norm is the plugin's last_grad_norm, inf).
-        finite = [s for s in range(STEPS) if s not in OVERFLOWS]
-        assert [mine.clip_norms[s] for s in finite] == [theirs.clip_norms[s] for s in finite]
-        assert all(0.0 < mine.clip_norms[s] < math.inf for s in finite)  # type: ignore[operator]
-        assert [mine.clip_norms[s] for s in OVERFLOWS] == [0.0] * len(OVERFLOWS)
-        assert all(theirs.clip_norms[s] > loop.max_norm for s in finite)  # type: ignore[operator]  # it clipped
+        # What fabric.clip_gradients returns: torch's norm before clipping, on every step the same as with Fabric's own
+        # plugin (inf on the skipped ones, where the step result says inf too once something measures the norm).
+        assert [repr(n) for n in mine.clip_norms] == [repr(n) for n in theirs.clip_norms]  # NaN equals nothing: repr
+        finite = [math.isfinite(mine.clip_norms[s]) for s in range(STEPS)]  # type: ignore[arg-type]
+        assert finite == [s not in OVERFLOWS for s in range(STEPS)]
+        assert all(theirs.clip_norms[s] > loop.max_norm for s in range(STEPS) if s not in OVERFLOWS)  # type: ignore[operator]  # it clipped
 
 
-def test_fabrics_builtin_raises_in_clip_gradients_on_an_overflow_step_with_its_defaults() -> None:
-    # The premise of the comparison above: with Fabric's defaults its built-in cannot get past an fp16 overflow.
-    run = FabricRun(fabrics(), Loop(steps=2, clip="norm", overflow_at=(1,)))
+@pytest.mark.parametrize("plugin", [fabrics, ours])
+def test_with_fabrics_default_error_if_nonfinite_clip_gradients_raises_on_an_overflow_step_with_either_plugin(
+    plugin: Any,
+) -> None:
+    # Fabric's contract (torch's clip_grad_norm_ with error_if_nonfinite=True) is kept: the step cannot be clipped.
+    run = FabricRun(plugin(), Loop(steps=2, clip="norm", overflow_at=(1,), error_if_nonfinite=True))
     run.step()
     with pytest.raises(RuntimeError, match="non-finite"):
         run.step()
+    if plugin is ours:  # and the plugin still skips it, should the loop go on to step
+        run.optimizer.step()
+        assert run.plugin.recent_steps[-1].skipped and run.plugin.skipped_steps == 1
 
 
 @pytest.mark.parametrize("clip", ["norm", "value"])
-def test_an_overflow_step_with_fabrics_default_clipping_is_skipped_without_raising(clip: Any) -> None:
+def test_an_overflow_step_clipped_without_error_if_nonfinite_is_skipped_and_says_its_norm(clip: Any) -> None:
     run = FabricRun(ours(), Loop(steps=3, clip=clip, overflow_at=(1,), optimizer="adamw"))
     run.step()
     state_before = copy.deepcopy(run.optimizer.optimizer.state_dict())
-    run.step()  # fabric.clip_gradients(..., max_norm=0.25) or (..., clip_val=0.02): no error
+    run.step()  # fabric.clip_gradients(..., max_norm=0.25, error_if_nonfinite=False) or (..., clip_val=0.02)
     plugin = run.plugin
     assert plugin.recent_steps[-1].skipped and plugin.skipped_steps == 1
-    assert not math.isfinite(plugin.recent_steps[-1].grad_norm)  # type: ignore[arg-type]
+    assert plugin.recent_steps[-1].overflow_params  # named at the check, before a clip by value made them finite
+    if clip == "norm":
+        assert not math.isfinite(run.clip_norms[1])  # type: ignore[arg-type]  # torch's norm of the gradients: the truth
     for before, after in zip(run.params[0], run.params[1], strict=True):
         assert torch.equal(before, after)  # parameters untouched
     state_after = run.optimizer.optimizer.state_dict()
@@ -120,18 +121,14 @@ def test_an_overflow_step_with_fabrics_default_clipping_is_skipped_without_raisi
     assert plugin.scaler.get_scale() == START_SCALE / 2
 
 
-def test_torchs_clip_grad_value_fails_on_an_empty_list_which_the_plugin_never_hands_fabric() -> None:
-    # Why main_params returns a zero-gradient stand-in on a skipped step, rather than nothing.
-    with pytest.raises(RuntimeError):
-        torch.nn.utils.clip_grad_value_([], 1.0)
+def test_fabric_clips_the_real_parameters_on_every_step_as_with_its_own_plugin() -> None:
+    # main_params is Fabric's own: the optimizer's parameters, also on a step found non-finite (no stand-in).
     run = FabricRun(ours(), Loop(steps=1, clip="value", overflow_at=(0,)))
-    for micro in range(1):
-        x, y = batch(0, micro)
-        run.fabric.backward(torch.nn.functional.mse_loss(run.model(x), y) * math.inf)
+    x, y = batch(0, 0)
+    run.fabric.backward(torch.nn.functional.mse_loss(run.model(x), y) * math.inf)
     run.plugin.unscale_gradients(run.optimizer.optimizer)
     handed = list(run.plugin.main_params(run.optimizer.optimizer))
-    assert len(handed) == 1 and handed[0].grad is not None and not handed[0].grad.any()
-    assert all(handed[0] is not p for p in run.module.parameters())
+    assert [id(p) for p in handed] == [id(p) for p in run.module.parameters()]
 
 
 # -------------------------------------------------------------------------------------------------- fused
@@ -154,7 +151,7 @@ def test_fused_adamw_with_clipping_equals_gradscaler_unscaling_before_the_fused_
     loop = Loop(steps=STEPS, clip=clip, overflow_at=OVERFLOWS, optimizer="adamw-fused")
     reference = fabrics()
     mine = train(ours(), loop)
-    theirs = train(UnscalesBeforeFusedSteps("16-mixed", "cpu", scaler=reference.scaler), fabric_reference(loop))
+    theirs = train(UnscalesBeforeFusedSteps("16-mixed", "cpu", scaler=reference.scaler), loop)
     assert_same_runs(mine, theirs, what=f"fused AdamW, clip by {clip}")
     assert mine.plugin.skipped_steps == len(OVERFLOWS)
 
@@ -241,13 +238,16 @@ def test_the_norm_is_measured_once_a_monitor_reads_it_the_global_norm_of_the_uns
     assert len(seen) == 4
 
 
-def test_last_grad_norm_is_the_norm_fabric_clip_gradients_returns_on_a_finite_step() -> None:
+def test_the_norm_a_monitor_reads_is_the_norm_fabric_clip_gradients_returns() -> None:
     run = FabricRun(ours(), Loop(steps=4, clip="norm", overflow_at=(2,)))
+    MixedPrecisionMonitor().observe(run.plugin)  # a reader before the loop: every step's norm is measured
     for step in range(4):
         run.step()
         norm = run.plugin.recent_steps[-1].grad_norm
+        assert norm is not None
         if step == 2:
-            assert run.plugin.recent_steps[-1].skipped and norm is not None and not math.isfinite(norm)
+            assert run.plugin.recent_steps[-1].skipped and not math.isfinite(norm)
+            assert not math.isfinite(run.clip_norms[step])  # type: ignore[arg-type]
         else:
             assert norm == run.clip_norms[step] and not run.plugin.recent_steps[-1].skipped  # the same float32, exactly
 
@@ -266,6 +266,9 @@ def test_last_overflow_params_names_the_parameters_as_named_parameters_gives_the
     precision: str, optimizer: Any
 ) -> None:
     run = FabricRun(ours(precision), Loop(steps=3, optimizer=optimizer))
+    if optimizer == "adamw-fused":
+        # The fused path measures each gradient only for a reader (a pass GradScaler does not make): the monitor.
+        MixedPrecisionMonitor().observe(run.plugin)
     run.step()
     handle = run.module[2].bias.register_hook(lambda grad: torch.full_like(grad, math.inf))
     run.step()
@@ -347,6 +350,7 @@ def test_loading_a_bf16_plugin_state_into_an_fp16_plugin_says_how_to_resume(tmp_
 def test_the_monitor_observes_each_step_for_fabric_log_dict(tmp_path: Path) -> None:
     plugin, monitor = ours(), MixedPrecisionMonitor()
     run = FabricRun(plugin, Loop(steps=6, clip="norm", overflow_at=(1, 4)), loggers=CSVLogger(tmp_path, name="amp"))
+    assert monitor.observe(plugin) == {}  # before the loop (docs/fabric.md): the first step's norm is measured too
     for step in range(6):
         run.step()
         scale = plugin.scaler.get_scale()  # after a step, the scale it used (it moves at the next backward)
@@ -475,7 +479,8 @@ BAD_ARGUMENTS = [
 def test_a_bad_argument_is_refused_naming_the_plugin_the_argument_its_value_and_the_fix(
     plugin: type, arguments: dict[str, Any], error: type[Exception], message: str
 ) -> None:
-    with pytest.raises(error, match=re.escape(message.format(name=plugin.__name__))):
+    name = "MixedPrecisionPlugin" if plugin is MixedPrecisionPlugin else "FSDPMixedPrecisionPlugin"  # as imported
+    with pytest.raises(error, match=re.escape(message.format(name=name))):
         plugin(**arguments)
 
 
@@ -690,8 +695,8 @@ def test_fabric_clip_gradients_clips_the_unscaled_gradients_as_torch_does(clip: 
     for param, grad in zip(run.module.parameters(), expected, strict=True):
         assert torch.equal(param.grad, grad)  # type: ignore[arg-type]
     run.optimizer.step()
-    if clip == "norm":  # the step records the norm the check measured, the one clip_gradients returned
-        assert float(total) == run.plugin.recent_steps[-1].grad_norm
+    # torch measured the norm for its clip; the check made GradScaler's one pass and measured none (nobody reads it).
+    assert run.plugin.recent_steps[-1].grad_norm is None
 
 
 def _clip_norm(grads: list[Tensor], max_norm: float) -> None:
@@ -712,7 +717,7 @@ def test_the_plugin_pickles_after_set_up_without_its_modules() -> None:
 
 
 # ------------------------------------------------------------------------------ several optimizers, one backward
-def two_optimizer_run(plugin: Precision, *, split: bool, steps: int = 4, strict: bool = True) -> list[list[Tensor]]:
+def two_optimizer_run(plugin: Precision, *, split: bool, steps: int = 4) -> list[list[Tensor]]:
     """One backward, then either two SGD optimizers (one per layer, stepped in turn) or one over both layers."""
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
@@ -728,7 +733,7 @@ def two_optimizer_run(plugin: Precision, *, split: bool, steps: int = 4, strict:
         x, y = batch(step, 0)
         fabric.backward(torch.nn.functional.mse_loss(model(x), y) * (math.inf if step == 1 else 1.0))
         for optimizer in optimizers:
-            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=strict)
+            fabric.clip_gradients(model, optimizer, max_norm=10.0, error_if_nonfinite=False)
             optimizer.step()
         for optimizer in optimizers:
             optimizer.zero_grad()
@@ -749,7 +754,7 @@ def test_two_optimizers_stepped_after_one_backward_unscale_by_the_scale_their_gr
         for p, q in zip(a, b, strict=True):
             assert torch.equal(p, q), f"step {step}"
     gradscaler = torch.amp.GradScaler("cpu", init_scale=START_SCALE, growth_interval=1)
-    builtin = two_optimizer_run(MixedPrecision("16-mixed", "cpu", scaler=gradscaler), split=True, strict=False)
+    builtin = two_optimizer_run(MixedPrecision("16-mixed", "cpu", scaler=gradscaler), split=True)
     assert not torch.equal(builtin[0][2], joint[0][2])  # premise: Fabric's built-in gets the second layer wrong
 
 
@@ -760,9 +765,9 @@ def test_the_scale_move_a_step_leaves_pending_is_in_the_saved_state() -> None:
 
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw-fused"])
 def test_skips_at_the_floor_stop_training_with_a_diagnosis_on_either_path(optimizer: Any) -> None:
-    # At min_scale a skip cannot be helped by backing off: after max_consecutive_skips of them training stops. On the
-    # unscale path in that optimizer.step(); on the fused path the skip is learnt later (no host read in the step),
-    # at the latest when the scale moves, at the next backward.
+    # At min_scale a skip cannot be helped by backing off: after max_consecutive_skips of them training stops, in that
+    # optimizer.step() on both paths (on the fused path the steps' values are read at the first step by which the
+    # limit could have been reached, while the gradients are there to name).
     scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0, max_consecutive_skips=2)
     run = FabricRun(
         MixedPrecisionPlugin("16-mixed", "cpu", scaler), Loop(steps=5, overflow_at=tuple(range(5)), optimizer=optimizer)

@@ -25,6 +25,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
 
 from lightning_amp_plus import MixedPrecisionMonitor, MixedPrecisionPlugin
+from lightning_amp_plus.step.engine import PendingStep
 
 pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 
@@ -93,7 +94,7 @@ def test_a_hook_that_may_read_the_gradients_gets_them_unscaled() -> None:
     model = HookReadsGradients()
     plugin = ours("16-mixed")
     fit(plugin, model, steps=3)
-    assert plugin._hooks_read_gradients is True
+    assert not any(isinstance(step, PendingStep) for step in plugin.recent_steps)  # the unscale path, every step
     # Unscaled: the same order of magnitude as the gradients of the unscaled loss, not 1024 times larger.
     torch.manual_seed(0)
     twin = HookReadsGradients()
@@ -105,10 +106,9 @@ def test_a_hook_that_may_read_the_gradients_gets_them_unscaled() -> None:
 def test_clipping_switches_a_fused_optimizer_to_the_unscale_path_and_clips_the_unscaled_norm(precision: str) -> None:
     model = TinyRegressor(optimizer="fused_adam")
     plugin = ours(precision)
-    monitor = MixedPrecisionMonitor(log_memory=False)  # does not read gradients: the hook alone keeps the fused path
+    monitor = MixedPrecisionMonitor(log_memory=False)  # does not read gradients: the clipping switches the path
     trainer = make_trainer(plugin, max_steps=4, max_epochs=-1, gradient_clip_val=1e-3, callbacks=[monitor])
     trainer.fit(model, loader(n=32))
-    assert plugin._hooks_read_gradients is False
     # The norm was measured on the unscale path and clipping brought it down to the limit.
     assert all(record.grad_norm is not None and record.grad_norm > 1e-3 for record in monitor.history.steps)
 
@@ -117,5 +117,5 @@ def test_a_held_scheduler_reads_a_fused_steps_outcome_when_it_steps() -> None:
     model = TinyRegressor(overflow_steps={2}, optimizer="fused_adam", scheduler="step")
     plugin = ours("16-mixed")
     trainer, _ = fit(plugin, model, steps=6)
-    assert plugin.skipped_steps == 1 and plugin.engine.held_schedulers.held_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.log.held_schedulers.held_steps == 1
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)  # 5 applied steps

@@ -409,7 +409,7 @@ def test_held_scheduler_keeps_its_class_and_state_dict_keys_and_gets_its_class_b
     plugin = plugin_for("16-mixed")
     trainer = make_trainer(plugin, max_steps=4, callbacks=[Inspect()])
     trainer.fit(TinyRegressor(optimizer="adam", scheduler="step", overflow_steps=(1,)), loader())
-    assert plugin.engine.held_schedulers.held_steps == 1  # the hold was in force during fit
+    assert plugin.engine.log.held_schedulers.held_steps == 1  # the hold was in force during fit
     fresh_keys = set(StepLR(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), step_size=1).state_dict())
     assert seen == [(True, fresh_keys)] * 4
     assert type(trainer.lr_scheduler_configs[0].scheduler) is StepLR

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -232,6 +233,8 @@ def test_a_guard_that_is_not_one_is_refused() -> None:
         MixedPrecisionPlugin("bf16-mixed", spike_guard="skip")  # type: ignore[arg-type]
 
 
-def test_fp16_with_the_check_off_keeps_the_guard_since_fp16_always_checks() -> None:
-    plugin = MixedPrecisionPlugin("16-mixed", skip_nonfinite=False, spike_guard=SpikeGuard())
+def test_fp16_refuses_the_check_off_since_fp16_always_checks() -> None:
+    with pytest.raises(ValueError, match=re.escape("fp16 loss scaling checks every step")):
+        MixedPrecisionPlugin("16-mixed", skip_nonfinite=False, spike_guard=SpikeGuard())  # type: ignore[call-arg]
+    plugin = MixedPrecisionPlugin("16-mixed", spike_guard=SpikeGuard())
     assert plugin.engine.spike_guards is not None and plugin.engine.check

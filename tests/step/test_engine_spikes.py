@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_amp_plus import SpikeGuard
-from lightning_amp_plus.step.engine import StepEngine
+from lightning_amp_plus.step.engine import PendingStep, StepEngine
 from lightning_amp_plus.step.policy import LossScale, ScalePolicy
 
 SPIKE = 3  # the batch whose loss is multiplied by 1e3 (after the warm-up)
@@ -55,20 +55,20 @@ def loss_of(model: nn.Module, batch: tuple[Tensor, Tensor, float]) -> Tensor:
 
 def policy() -> ScalePolicy:
     # A growth interval of 3: the scale grows during the run, so a spike that moved it would show.
-    return ScalePolicy(2.0**10, 2.0, 0.5, 3, 1, 1.0, 2.0**24)
+    return ScalePolicy(2.0, 0.5, 3, 1, 1.0, 2.0**24)
 
 
 def run_engine(
     engine: StepEngine, kind: str, data: list[tuple[Tensor, Tensor, float]], clip: float | None = None
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     model, optimizer = model_and_optimizer(kind)
-    engine.set_optimizers([optimizer])
+    engine.track(optimizer)
     for batch in data:
         engine.scale_loss(loss_of(model, batch)).backward()
         if clip is not None:
             engine.clip_by_norm(optimizer, clip)
         engine.step(optimizer)
-        engine.end_batch()
+        engine.update()
         optimizer.zero_grad()
     return model, optimizer
 
@@ -102,7 +102,7 @@ def assert_same(ours: tuple[nn.Module, torch.optim.Optimizer], theirs: tuple[nn.
 
 
 def engine_with(guard: SpikeGuard | None, scaled: bool) -> StepEngine:
-    return StepEngine(LossScale(policy()) if scaled else None, spike_guard=guard)
+    return StepEngine(LossScale(policy(), 2.0**10) if scaled else None, spike_guard=guard)
 
 
 CASES = [(kind, scaled) for kind in ("adamw", "sgd", "fused-adamw") for scaled in (False, True)]
@@ -120,7 +120,7 @@ def test_a_skipped_spike_leaves_the_run_as_if_its_batch_had_never_been_seen(kind
     assert_same(ours, theirs)
     if scaled:
         assert engine.loss_scale is not None and engine.loss_scale.value() == theirs[2]
-    results = list(engine.recent_steps)
+    results = list(engine.log.recent)
     assert [r.index for r in results if r.skipped] == [SPIKE]
     spike = results[SPIKE]
     assert spike.spike_verdict is not None and spike.spike_verdict.action == "skip"
@@ -138,9 +138,9 @@ def test_a_clipped_spike_equals_clip_grad_norm_to_the_threshold_before_the_users
     data = batches()
     engine = engine_with(SpikeGuard(warmup=WARMUP, action="clip"), scaled)
     ours = run_engine(engine, kind, data, clip=user_clip)
-    verdict = engine.recent_steps[SPIKE].spike_verdict
+    verdict = engine.log.recent[SPIKE].spike_verdict
     assert verdict is not None and verdict.action == "clip" and verdict.coefficient < 1.0
-    flagged = [r.index for r in engine.recent_steps if r.spike_verdict is not None and r.spike_verdict.spike]
+    flagged = [r.index for r in engine.log.recent if r.spike_verdict is not None and r.spike_verdict.spike]
     assert flagged == [SPIKE] and engine.skipped_steps == 0
 
     def clip_the_spike(index: int, model: nn.Module) -> None:
@@ -150,7 +150,7 @@ def test_a_clipped_spike_equals_clip_grad_norm_to_the_threshold_before_the_users
     theirs = run_torch(kind, data, scaled, clip=user_clip, before_step=clip_the_spike)
     assert_same(ours, theirs)
     # The result's norm is that of the clipped gradients (the one the user's clip saw): at the threshold.
-    assert engine.recent_steps[SPIKE].grad_norm == pytest.approx(verdict.threshold_norm, rel=1e-5)
+    assert engine.log.recent[SPIKE].grad_norm == pytest.approx(verdict.threshold_norm, rel=1e-5)
 
 
 # --------------------------------------------------------------------------------------------- clean, overflow
@@ -162,7 +162,7 @@ def test_a_clean_run_is_the_same_with_and_without_the_guard(kind: str, scaled: b
     ours = run_engine(guarded, kind, data)
     # The reference: torch's recipe (the engine's fused path would unscale inside the kernel, a different rounding).
     assert_same(ours, run_torch(kind, data, scaled)[:2])
-    assert all(r.spike_verdict is not None and not r.spike_verdict.spike for r in guarded.recent_steps)
+    assert all(r.spike_verdict is not None and not r.spike_verdict.spike for r in guarded.log.recent)
     assert guarded.spike_guards is not None and guarded.spike_guards.of(0).steps == STEPS
 
 
@@ -171,7 +171,7 @@ def test_an_overflow_stays_an_overflow_the_guard_never_judges_it() -> None:
     data[SPIKE] = (data[SPIKE][0], data[SPIKE][1], float("inf"))
     engine = engine_with(SpikeGuard(warmup=WARMUP), scaled=True)
     run_engine(engine, "adamw", data)
-    result = engine.recent_steps[SPIKE]
+    result = engine.log.recent[SPIKE]
     assert result.skipped and result.overflowed and result.spike_verdict is None
     assert engine.spike_guards is not None and engine.spike_guards.of(0).steps == STEPS - 1
     # The scale backed off for the overflow, as GradScaler's does.
@@ -184,7 +184,9 @@ def test_the_guard_turns_the_fused_path_off() -> None:
     for guard in (None, SpikeGuard()):
         engine = engine_with(guard, scaled=True)
         engine.scale_loss(loss_of(model, batches()[0])).backward()
-        assert engine.uses_fused_path(optimizer) is (guard is None)
+        engine.step(optimizer)
+        assert isinstance(engine.log.recent[-1], PendingStep) is (guard is None)  # the fused path's mark
+        engine.update()
         optimizer.zero_grad()
 
 
@@ -195,7 +197,8 @@ def test_each_optimizer_has_a_guard_of_its_own_the_first_the_one_given() -> None
     torch.manual_seed(0)
     first, second = nn.Linear(4, 1), nn.Linear(4, 1)
     optimizers = [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.SGD(second.parameters(), lr=0.1)]
-    engine.set_optimizers(optimizers)
+    for optimizer in optimizers:
+        engine.track(optimizer)
     for step in range(8):
         x = torch.randn(2, 4)
         losses = [first(x).sum(), second(x).sum() * (100.0 if step % 2 else 1.0)]  # norms unlike the first's
@@ -203,7 +206,7 @@ def test_each_optimizer_has_a_guard_of_its_own_the_first_the_one_given() -> None
             loss.backward()
             engine.step(optimizer)
             optimizer.zero_grad()
-        engine.end_batch()
+        engine.update()
     assert engine.spike_guards is not None
     assert engine.spike_guards.of(0) is given and engine.spike_guards.of(1) is not given
     assert given.steps == 8 and engine.spike_guards.of(1).steps == 8
@@ -227,11 +230,11 @@ def test_a_run_resumed_from_the_engines_state_judges_and_steps_as_the_uninterrup
     model, optimizer = model_and_optimizer("adamw")
     model.load_state_dict(saved[1])
     optimizer.load_state_dict(saved[2])
-    resumed.set_optimizers([optimizer])
+    resumed.track(optimizer)
     for batch in data[5:]:
         resumed.scale_loss(loss_of(model, batch)).backward()
         resumed.step(optimizer)
-        resumed.end_batch()
+        resumed.update()
         optimizer.zero_grad()
     assert_same((model, optimizer), expected)
     assert resumed.state_dict() == whole.state_dict()
@@ -262,7 +265,7 @@ def test_a_lasting_rise_under_skip_stops_with_the_guards_diagnosis() -> None:
 def test_clip_follows_a_lasting_rise_its_clipped_steps_entering_the_statistics() -> None:
     engine = StepEngine(None, spike_guard=SpikeGuard(warmup=WARMUP, action="clip"))
     run_engine(engine, "adamw", batches(spikes=range(SPIKE, 60), count=60, factor=30.0))
-    flagged = [r.index for r in engine.recent_steps if r.spike_verdict is not None and r.spike_verdict.spike]
+    flagged = [r.index for r in engine.log.recent if r.spike_verdict is not None and r.spike_verdict.spike]
     # A 30x rise is clipped for a while (each clipped step raises the mean towards its limit), then taken.
     assert flagged and flagged[0] == SPIKE and max(flagged) < 40 and engine.skipped_steps == 0
 

@@ -14,14 +14,14 @@ from helpers import TinyRegressor, loader, make_trainer
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
-from lightning_amp_plus.step.outcome import StepResult
+from lightning_amp_plus.step.engine import PendingStep, StepResult
 
 OVERFLOWS = {3, 4, 9, 17, 18, 19}
 
 
 def read_everything(scaler: DynamicLossScaler, opt: torch.optim.Optimizer) -> list[Any]:
     """Every public reading of the scaler, its engine and the step results it keeps."""
-    results = [scaler.result(opt), *scaler.engine.recent_steps]
+    results = [scaler.result(opt), *scaler.engine.log.recent]
     seen: list[Any] = [
         scaler.get_scale(),
         scaler.skipped_steps,
@@ -31,12 +31,12 @@ def read_everything(scaler: DynamicLossScaler, opt: torch.optim.Optimizer) -> li
         scaler.get_backoff_factor(),
         scaler.get_growth_interval(),
         scaler.engine.skipped_steps,
-        scaler.engine.held_schedulers.held_steps,
+        scaler.engine.log.held_schedulers.held_steps,
         repr(scaler),
     ]
     for result in results:
-        if isinstance(result, StepResult):
-            seen += [result.ready, result.skipped, result.scale, result.grad_norm, result.overflow_params]
+        if isinstance(result, StepResult | PendingStep):
+            seen += [result.skipped, result.scale, result.grad_norm, result.overflow_params]
     return seen
 
 
@@ -70,7 +70,7 @@ def train(*, fused: bool, clip: bool, reads: bool, limit: int | None = None) -> 
     # What the run left: parameters, optimizer state, and the scaler's own record, read once at the end.
     state = [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     # Norms as text: a skipped step's norm is NaN, which equals nothing, itself included.
-    outcome += [scaler.state_dict(), [(r.skipped, r.scale, repr(r.grad_norm)) for r in scaler.engine.recent_steps]]
+    outcome += [scaler.state_dict(), [(r.skipped, r.scale, repr(r.grad_norm)) for r in scaler.engine.log.recent]]
     return [p.detach().clone() for p in model.parameters()] + state, outcome
 
 

@@ -431,7 +431,7 @@ def test_update_reads_nothing_back_from_the_device() -> None:
     assert calls == []
 
 
-def test_a_clean_step_reads_from_the_device_exactly_once() -> None:
+def test_a_clean_step_with_the_scalers_own_clip_reads_from_the_device_exactly_once() -> None:
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler()
@@ -442,7 +442,7 @@ def test_a_clean_step_reads_from_the_device_exactly_once() -> None:
         scaler.clip_grad_norm_(opt, 1.0)
         scaler.step(opt)
         scaler.update()
-    assert calls == ["item"]
+    assert calls == ["tolist"]  # the flag, the norm, the scale and its tracker, together (GradScaler: its flag)
 
 
 # ------------------------------------------------------------------------------------------------------------- CUDA

@@ -19,6 +19,8 @@ from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_amp_plus import DynamicLossScaler
+from lightning_amp_plus.step.engine import PendingStep, StepResult
+from lightning_amp_plus.step.pending import PendingReads
 
 INF, NAN = float("inf"), float("nan")
 # Step 0 overflows too: the optimizer's state is then created by a skipped step (GradScaler does the same).
@@ -203,21 +205,47 @@ def test_the_scaler_reads_nothing_from_the_device_in_the_step_overflows_included
             scaler.step(opt)
             scaler.update()
     assert calls == [] and scalar_reads_outside_the_optimizer(prof) == 0
-    # Read when asked: one read of all 20 steps' flags (and one of the last overflow's per-tensor norms for names).
-    with host_reads(calls):
-        assert scaler.skipped_steps == sum(step in OVERFLOWS for step in range(20))
-        last_skip = next(result for result in reversed(scaler.engine.recent_steps) if result.skipped)
-        assert last_skip.overflow_params == ["param_groups[0][2]"]
-    assert calls == ["tolist", "tolist"]
+    # Read when asked, from host memory: the skips are counted; nobody measured norms, so nothing is named.
+    assert scaler.skipped_steps == sum(step in OVERFLOWS for step in range(20))
+    last_skip = next(result for result in reversed(scaler.engine.log.recent) if result.skipped)
+    assert last_skip.overflow_params is None and last_skip.grad_norm is None
 
 
-def test_with_a_skip_limit_the_flags_are_read_once_per_limit_steps_not_per_step() -> None:
-    scaler = DynamicLossScaler(max_consecutive_skips=10)
+def test_with_a_reader_the_fused_path_measures_the_norm_and_names_the_non_finite_gradients() -> None:
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler.engine.read_norms()  # what a MixedPrecisionMonitor does
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     calls: list[str] = []
     with host_reads(calls):
-        train(scaler, torch.optim.AdamW, {}, steps=35, overflows={}, read_each_step=False)
-    # A clean run: read at steps 10, 20 and 30, where 10 skips in a row would first have been possible.
-    assert calls == ["tolist"] * 3
+        for step in range(4):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss_at(model, step)).backward()
+            poison(model, step, {2: INF})
+            scaler.step(opt)
+            scaler.update()
+    assert calls == []  # still no read in the step
+    results = list(scaler.engine.log.recent)
+    assert [r.skipped for r in results] == [False, False, True, False]
+    assert results[2].overflow_params == ["param_groups[0][2]"] and results[2].grad_norm == INF
+    assert all(0 < (r.grad_norm or 0) < INF for r in results if not r.skipped)
+
+
+def test_with_a_skip_limit_the_flags_are_read_once_per_limit_steps_not_per_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads: list[int] = []
+    original = PendingReads.take
+
+    def take(self: PendingReads) -> Any:
+        reads.append(len(self.entries))
+        return original(self)
+
+    monkeypatch.setattr(PendingReads, "take", take)
+    scaler = DynamicLossScaler(max_consecutive_skips=10)
+    train(scaler, torch.optim.AdamW, {}, steps=35, overflows={}, read_each_step=False)
+    # A clean run: counted at steps 10, 20 and 30, where 10 skips in a row would first have been possible.
+    assert reads == [10] * 3
 
 
 # --------------------------------------------------------------------------- counters, outcomes, the skip limit
@@ -237,6 +265,7 @@ def observed(scaler: DynamicLossScaler, opt: torch.optim.Optimizer) -> tuple[Any
 def test_counters_read_at_any_time_equal_the_unscale_paths() -> None:
     def run(fused: bool, read_at: set[int]) -> list[tuple[Any, ...]]:
         scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=4, hysteresis=2)
+        scaler.engine.read_norms()  # the fused path names the non-finite gradients for a reader
         scaler.engine.name_parameters(model := make_model())
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
         seen = []
@@ -261,11 +290,10 @@ def test_the_grad_norm_is_measured_on_the_fused_path_too() -> None:
     norms = []
     for fused in (False, True):
         scaler = DynamicLossScaler(init_scale=2.0**10)
+        scaler.engine.read_norms()  # a reader asks for the norm, on either path
         model = make_model()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
         scaler.scale(loss_at(model, 0)).backward()
-        if not fused:
-            scaler.unscale_(opt)  # the unscale path measures the norm when asked to unscale first
         scaler.step(opt)
         scaler.update()
         norms.append(scaler.result(opt).grad_norm)
@@ -320,6 +348,7 @@ def test_a_plain_step_with_an_inf_is_skipped_and_named_without_a_norm() -> None:
 
 def test_a_step_outcome_resolves_on_first_access_and_stays_valid() -> None:
     scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler.engine.read_norms()
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     outcomes = []
@@ -329,7 +358,7 @@ def test_a_step_outcome_resolves_on_first_access_and_stays_valid() -> None:
         poison(model, step, {3: INF})
         scaler.step(opt)
         outcome = scaler.result(opt)
-        assert outcome is not None and not outcome.resolved and outcome.ready  # CPU: the value is there
+        assert isinstance(outcome, PendingStep) and not outcome.resolved
         outcomes.append(outcome)
         scaler.update()
     assert not any(outcome.resolved for outcome in outcomes)
@@ -349,7 +378,7 @@ def test_on_the_unscale_path_the_outcome_is_resolved_when_step_returns() -> None
     scaler.unscale_(opt)  # e.g. to clip: the fused optimizer then takes the unscale path
     scaler.step(opt)
     outcome = scaler.result(opt)
-    assert outcome is not None and outcome.resolved and not outcome.skipped
+    assert isinstance(outcome, StepResult) and not outcome.skipped  # known when step returned
 
 
 def test_the_skip_limit_raises_at_the_same_step_as_on_the_unscale_path_naming_the_parameter() -> None:
@@ -375,7 +404,7 @@ def test_the_skip_limit_raises_at_the_same_step_as_on_the_unscale_path_naming_th
     fused_step, fused_where, fused_message = run(fused=True)
     # 4 -> 2 -> 1 in two skips, then three at the floor: the 5th skip, step 6.
     assert unscale_step == fused_step == 6
-    assert (unscale_where, fused_where) == ("step", "update")  # the fused path learns of it in update()
+    assert (unscale_where, fused_where) == ("step", "step")  # the fused path reads its steps' values in that step
     assert fused_message == unscale_message
     assert "non-finite gradients in 1 parameter(s): 2.weight" in fused_message
 
@@ -461,7 +490,7 @@ def test_on_cuda_the_fused_path_matches_grad_scaler_bit_for_bit_without_a_single
     grad_scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=5)
     their_model, their_opt, _ = run(grad_scaler, strict=False)
     torch.cuda.synchronize()
-    assert all(outcome.ready and not outcome.resolved for outcome in outcomes)
+    assert all(isinstance(outcome, PendingStep) and not outcome.resolved for outcome in outcomes)
     assert ours.get_scale() == grad_scaler.get_scale()
     assert [outcome.skipped for outcome in outcomes] == [step in OVERFLOWS for step in range(STEPS)]
     assert_same_parameters(our_model, their_model)
@@ -479,7 +508,7 @@ def test_on_cuda_the_fused_path_matches_grad_scaler_bit_for_bit_without_a_single
     ],
     ids=["fused", "fused-after-unscale", "foreach", "fused-sgd-first-step", "fused-sgd-no-momentum"],
 )
-def test_uses_fused_path_says_which_path_step_will_take(
+def test_which_path_a_step_takes(
     make_opt: Callable[[Any], torch.optim.Optimizer], before_unscale: bool, expected: bool
 ) -> None:
     model = make_model()
@@ -488,11 +517,9 @@ def test_uses_fused_path_says_which_path_step_will_take(
     scaler.scale(loss_at(model, 0)).backward()
     if not before_unscale:
         scaler.unscale_(opt)
-    assert scaler.engine.uses_fused_path(opt) is expected
     scaler.step(opt)
     outcome = scaler.result(opt)
-    assert outcome is not None and outcome.resolved is not expected  # the fused path resolves lazily
-    assert not scaler.engine.uses_fused_path(opt)  # stepped: nothing more this iteration
+    assert isinstance(outcome, PendingStep) is expected  # the fused path's step is read lazily
 
 
 def test_through_lightnings_optimizer_wrapper_the_flag_reaches_the_optimizer_that_runs_the_kernel() -> None:
@@ -514,8 +541,8 @@ def test_through_lightnings_optimizer_wrapper_the_flag_reaches_the_optimizer_tha
             inner.zero_grad()
             scaler.scale(loss_at(model, step)).backward()
             poison(model, step, {3: INF})
-            assert scaler.engine.uses_fused_path(opt)
             scaler.step(opt)
+            assert isinstance(scaler.result(opt), PendingStep)  # the fused path
             scaler.update()
         runs.append((model, scaler.skipped_steps))
     (plain, plain_skips), (wrapped, wrapped_skips) = runs

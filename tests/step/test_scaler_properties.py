@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus.step.policy import ScalePolicy
+from lightning_amp_plus.step.policy import LossScale, ScalePolicy
 
 F32_TINY = 2.0**-126  # the smallest normal float32
 F32_MAX = (2.0 - 2.0**-23) * 2.0**127
@@ -68,10 +68,11 @@ class Hyper:
     def scaler(self) -> DynamicLossScaler:
         return DynamicLossScaler(**asdict(self))
 
-    def policy(self) -> ScalePolicy:
+    def loss_scale(self) -> LossScale:
         kwargs = asdict(self)
         del kwargs["max_consecutive_skips"]
-        return ScalePolicy(scale=kwargs.pop("init_scale"), **kwargs)
+        init = kwargs.pop("init_scale")
+        return LossScale(ScalePolicy(**kwargs), init)
 
 
 @dataclass
@@ -345,12 +346,14 @@ def at_step(step: int, message: str) -> str:
 # ------------------------------------------------------------------------------------------------------- properties
 @given(hyper=hyperparameters(), plan=plans(max_steps=200))
 @examples(300)
-def test_policy_update_follows_the_reference(hyper: Hyper, plan: list[Poison]) -> None:
-    policy, ref = hyper.policy(), Reference(hyper)
-    assert policy.scale == ref.scale
+def test_the_scale_machine_follows_the_reference(hyper: Hyper, plan: list[Poison]) -> None:
+    scale, ref = hyper.loss_scale(), Reference(hyper)
+    assert scale.value() == ref.scale
     for step, overflow in enumerate(overflows_of(plan)):
-        changed, expected_change = policy.update(overflow), ref.update(overflow)
-        assert (changed, policy.scale) == (expected_change, ref.scale), f"step {step} (overflow={overflow})"
+        before = scale.value()
+        scale.advance(torch.tensor(float(overflow)))
+        changed, expected_change = scale.value() != before, ref.update(overflow)
+        assert (changed, scale.value()) == (expected_change, ref.scale), f"step {step} (overflow={overflow})"
 
 
 @given(

@@ -61,22 +61,20 @@ def test_a_plugin_holding_schedulers_pickles_for_ddp_spawn() -> None:
     from lightning_amp_plus import MixedPrecisionPlugin
 
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
-    plugin.engine.held_schedulers.ledger.record_outcome(object(), Known(skipped=True))
+    plugin.engine.log.held_schedulers.ledger.record_outcome(object(), Known(skipped=True))
     copy = pickle.loads(pickle.dumps(plugin))
-    assert (
-        copy.engine.held_schedulers.held_steps == 0 and copy.settings.master_weights and copy.precision == "bf16-mixed"
-    )
+    assert copy.engine.log.held_schedulers.held_steps == 0
+    assert copy.settings.master_weights and copy.precision == "bf16-mixed"
 
 
 class Pending:
-    """A fused step's outcome: unread until ``skipped`` is asked."""
+    """A fused step's outcome: its fate on the device until someone reads it (``arrive``)."""
 
     def __init__(self, skipped: bool) -> None:
-        self._skipped, self.reads = skipped, 0
+        self._skipped, self.resolved, self.reads = skipped, False, 0
 
-    @property
-    def resolved(self) -> bool:
-        return self.reads > 0
+    def arrive(self) -> None:
+        self.resolved = True
 
     @property
     def skipped(self) -> bool:
@@ -84,17 +82,33 @@ class Pending:
         return self._skipped
 
 
-def test_pending_outcomes_are_read_when_a_scheduler_asks_and_never_pile_up() -> None:
+def test_a_step_whose_fate_is_on_the_device_is_never_read_and_an_owed_step_is_held_once_it_is_known() -> None:
+    opt, sched = scheduler()
+    arrived: list[Pending] = []
+    ledger = _schedulers.StepLedger(read_ready=lambda: [o.arrive() for o in arrived])
+    _schedulers.hold(sched, ledger)
+    first = Pending(skipped=True)
+    opt.step()  # torch warns of a scheduler stepped before its optimizer ever was
+    ledger.record_outcome(opt, first)
+    sched.step()  # its fate unknown: taken as applied, the scheduler steps (no wait for the device)
+    assert lr(opt) == 0.5 and first.reads == 0
+    second = Pending(skipped=False)
+    ledger.record_outcome(opt, second)
+    arrived += [first, second]  # both values reach host memory before the next scheduler step
+    sched.step()  # the first turned out skipped: its scheduler step is paid back by holding this one
+    assert lr(opt) == 0.5 and ledger.held_steps == 1
+    ledger.record_outcome(opt, Known(skipped=False))
+    sched.step()
+    assert lr(opt) == 0.25  # back on the schedule: two applied steps, two scheduler steps
+
+
+def test_the_outcomes_kept_stay_bounded_when_no_scheduler_asks() -> None:
     opt, sched = scheduler()
     ledger = _schedulers.StepLedger()
     _schedulers.hold(sched, ledger)
-    outcomes = [Pending(skipped=True) for _ in range(3)]
-    for outcome in outcomes:
-        ledger.record_outcome(opt, outcome)
-    assert [o.reads for o in outcomes] == [0, 0, 0]  # nothing read in the steps
-    sched.step()  # every step since the last was skipped: held, and now they were read
-    assert lr(opt) == 1.0 and all(o.reads == 1 for o in outcomes)
-    # A run whose schedulers never ask: the unread outcomes are read in batches, not kept forever.
-    for _ in range(1000):
-        ledger.record_outcome(opt, Pending(skipped=False))
-    assert len(ledger._pending[id(opt)]) <= 256
+    opt.step()
+    for _ in range(5000):
+        ledger.record_outcome(opt, Known(skipped=False))
+    assert len(ledger._steps[id(opt)]) <= 5000 and all(isinstance(o, bool) for o in ledger._steps[id(opt)])
+    sched.step()
+    assert ledger._steps[id(opt)] == [] and lr(opt) == 0.5  # what it saw is dropped once it has asked

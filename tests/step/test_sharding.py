@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus.step.sharding import Sharding, holders, local_view
+from lightning_amp_plus.step.sharding import Ranks, Sharding, holders, local_view
 
 
 def after_backward(sharding: Sharding | None) -> tuple[nn.Sequential, torch.optim.SGD, DynamicLossScaler]:
@@ -18,7 +18,7 @@ def after_backward(sharding: Sharding | None) -> tuple[nn.Sequential, torch.opti
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=2.0**8)
-    scaler.engine.sharding = sharding
+    scaler.engine.ranks = None if sharding is None else Ranks(sharding=sharding)
     scaler.scale(net(torch.randn(3, 4)).pow(2).sum()).backward()
     return net, opt, scaler
 
@@ -26,6 +26,7 @@ def after_backward(sharding: Sharding | None) -> tuple[nn.Sequential, torch.opti
 def stepped(sharding: Sharding | None) -> tuple[float | None, list[torch.Tensor]]:
     """The measured norm and the unscaled gradients of one step, with the gradients taken as ``sharding`` says."""
     net, opt, scaler = after_backward(sharding)
+    scaler.engine.read_norms()
     scaler.unscale_(opt)
     grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
     scaler.step(opt)

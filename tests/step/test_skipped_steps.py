@@ -11,7 +11,7 @@ from helpers import FP16_ON_CPU_WARNING, ScaleRecorder, TinyRegressor, loader, m
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
-from lightning_amp_plus.plugins.trainer import skipped_steps
+from lightning_amp_plus.plugins.precision import skipped_steps
 
 pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 

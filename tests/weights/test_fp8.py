@@ -584,7 +584,7 @@ def test_the_package_imports_torchao_lazily_and_refuses_fp8_without_it_naming_th
     # so hiding it afterwards is what a user without the fp8 extra has.
     code = (
         "import sys\n"
-        "import lightning_amp_plus, lightning_amp_plus.plugins.trainer, lightning_amp_plus.plugins.fabric\n"
+        "import lightning_amp_plus, lightning_amp_plus.plugins.precision, lightning_amp_plus.plugins.fsdp\n"
         "from lightning_amp_plus.weights.fp8 import FP8Training\n"
         "print('torchao imported:', 'torchao' in sys.modules)\n"
         "import hide_packages\n"

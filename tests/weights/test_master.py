@@ -550,7 +550,7 @@ def test_a_skipped_step_leaves_weights_and_optimizer_state_untouched(precision: 
     snapshots = StateAroundSteps()
     plugin = ours(precision)
     trainer = fit(model, plugin, steps=8, callbacks=[snapshots])
-    assert plugin.skipped_steps == 1 and plugin.engine.held_schedulers.held_steps == 1
+    assert plugin.skipped_steps == 1 and plugin.engine.log.held_schedulers.held_steps == 1
     torch.testing.assert_close(snapshots.after[4], snapshots.before[4], rtol=0, atol=0)
     assert not torch.equal(snapshots.after[5][0], snapshots.before[5][0])  # the next step applies again
     # 7 applied steps of StepLR(gamma=0.5): the held step did not decay the LR.

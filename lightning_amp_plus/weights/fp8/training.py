@@ -182,16 +182,18 @@ class FP8Check:
 class Outcome(Protocol):
     """What :meth:`FP8Training.after_step` needs to know of a step.
 
-    A :class:`~lightning_amp_plus.step.outcome.StepResult` has it.
+    A :class:`~lightning_amp_plus.step.engine.StepResult` has it; a fused optimizer's step whose fate is still on the
+    device (a :class:`~lightning_amp_plus.step.engine.PendingStep`) also says whether it is ``resolved``.
     """
-
-    @property
-    def resolved(self) -> bool:
-        """Whether the step's fate is known on the host (reading :attr:`overflowed` costs no device read)."""
 
     @property
     def overflowed(self) -> bool:
         """Whether the step was skipped because its gradients held inf/NaN."""
+
+
+def _resolved(outcome: Outcome) -> bool:
+    """Whether the step's fate is known on the host (reading ``overflowed`` then costs no device read)."""
+    return bool(getattr(outcome, "resolved", True))
 
 
 class FP8Training:
@@ -344,7 +346,7 @@ class FP8Training:
            next all-gather (torchao's ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce).
 
         Args:
-            outcome: what became of the step (``.resolved``, ``.overflowed``: a ``StepResult``); ``None`` for a step
+            outcome: what became of the step (``.overflowed``, and ``.resolved`` if pending); ``None`` for a step
                 known to be applied.
             reduce: applied on the device to the readings' counts and to the kept flags (a SUM all-reduce across
                 data-parallel ranks: every rank falls back the same layers and names the layers any rank's casts
@@ -356,12 +358,12 @@ class FP8Training:
             found = self.finish_check(reduce, warn)
             check = FP8Check(found.readings, found.fell_back, self._steps)
             self.checks.append(check)
-        if outcome is not None and (not outcome.resolved or outcome.overflowed):
+        if outcome is not None and (not _resolved(outcome) or outcome.overflowed):
             # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
             # over every weight at every step would cost more than the step's flags).
-            weights = self._weights() if outcome.resolved else {}
-            kept = [(earlier, names) for earlier, names in self._flags if not earlier.resolved or earlier.overflowed]
-            last = max((i for i, (earlier, _) in enumerate(kept) if earlier.resolved), default=0)
+            weights = self._weights() if _resolved(outcome) else {}
+            kept = [(earlier, names) for earlier, names in self._flags if not _resolved(earlier) or earlier.overflowed]
+            last = max((i for i, (earlier, _) in enumerate(kept) if _resolved(earlier)), default=0)
             self._flags = [*kept[last:], (outcome, self.log.snapshot(weights, reduce))]
         self.end_step()
         if all_gathers_in_fp8(self.recipe) and self.layers:
