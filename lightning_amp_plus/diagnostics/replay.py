@@ -39,15 +39,15 @@ Context = Callable[[], AbstractContextManager[Any]]
 class RngState:
     """The random-number state of one moment, to replay a batch with the random numbers its step drew.
 
-    It holds torch's CPU generator and the current CUDA device's generator (when CUDA is initialised) and, if asked for,
-    Python's ``random`` and NumPy's global generator (when NumPy is loaded).
+    It holds torch's CPU generator, every device's generator of the accelerator in use (CUDA, XPU...: when it has been
+    initialised) and, if asked for, Python's ``random`` and NumPy's global generator (when NumPy is loaded).
 
-    Capture one at the start of each batch, right before its forward (about 3 us): a replay restores it so that
-    dropout draws the same masks as the step did. Python's and NumPy's generators are left out of that capture by
-    default (they cost 7 and 20 us more, and a forward rarely draws from them: data augmentation happens in the
-    DataLoader); the replay machinery captures them, with the rest, before it starts and puts them back afterwards, so
-    no stream advances either way. Other CUDA devices' generators and ``torch.Generator`` objects of your own are not
-    captured.
+    Capture one at the start of each batch, right before its forward (a few microseconds): a replay restores it so that
+    dropout draws the same masks as the step did, on whichever device the forward ran (a model split over devices
+    too). Python's and NumPy's generators are left out of that capture by default (they cost 7 and 20 us more, and a
+    forward rarely draws from them: data augmentation happens in the DataLoader); the replay machinery captures them,
+    with the rest, before it starts and puts them back afterwards, so no stream advances either way.
+    ``torch.Generator`` objects of your own are not captured.
 
     Examples:
         >>> state = RngState.capture()
@@ -58,27 +58,31 @@ class RngState:
     """
 
     cpu: Tensor
-    cuda: tuple[tuple[int, Tensor], ...]
+    accelerator: tuple[str, tuple[Tensor, ...]] | None  # the device type, and each of its devices' generator state
     python: tuple[Any, ...] | None = None
     numpy: Any = None
 
     @classmethod
     def capture(cls, *, host: bool = False) -> RngState:
         """The state now; with ``host=True`` also Python's and NumPy's generators (NumPy's if it has been imported)."""
-        cuda: tuple[tuple[int, Tensor], ...] = ()
-        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            index = torch.cuda.current_device()
-            cuda = ((index, torch.cuda.get_rng_state(index)),)
+        accelerator = None
+        device = torch.accelerator.current_accelerator()
+        if device is not None:
+            module = torch.get_device_module(device)
+            # An accelerator not initialised has drawn nothing yet: reading its generators would initialise it.
+            if getattr(module, "is_initialized", lambda: False)():
+                accelerator = (device.type, tuple(module.get_rng_state_all()))
         if not host:
-            return cls(torch.get_rng_state(), cuda)
+            return cls(torch.get_rng_state(), accelerator)
         np = sys.modules.get("numpy")  # never imported here: numerics/ depends on torch only
-        return cls(torch.get_rng_state(), cuda, random.getstate(), None if np is None else np.random.get_state())
+        return cls(torch.get_rng_state(), accelerator, random.getstate(), None if np is None else np.random.get_state())
 
     def restore(self) -> None:
         """Set every generator captured back to this state (the state itself is not changed: restore it again)."""
         torch.set_rng_state(self.cpu)
-        for index, state in self.cuda:
-            torch.cuda.set_rng_state(state, index)
+        if self.accelerator is not None:
+            kind, states = self.accelerator
+            torch.get_device_module(kind).set_rng_state_all(list(states))
         if self.python is not None:
             random.setstate(self.python)
         if self.numpy is not None:
