@@ -189,9 +189,10 @@ def build_parser() -> Parser:
         "train",
         help="train a shipped model (cnn or lstm) with MixedPrecisionPlugin and MixedPrecisionMonitor",
         description="Train CifarCNN (cnn) or ImdbLSTM (lstm) under MixedPrecisionPlugin with MixedPrecisionMonitor. "
-        "With no flags: synthetic data generated offline, bf16-mixed on CPU (bf16 on GPUs that have it, else fp16), "
-        "2 epochs; the run prints its time (measured ones: docs/benchmarks.md). Ctrl-C stops cleanly with the "
-        "monitor's summary so far.",
+        "With no flags: synthetic data generated offline, the precision `amp-plus doctor` recommends (bf16-mixed on "
+        "a CPU with native bf16 and on GPUs that have it, fp16 on older GPUs, 32-true on other CPUs), 2 epochs; the "
+        "run prints its time (measured ones: docs/benchmarks.md). Ctrl-C stops cleanly with the monitor's summary so "
+        "far.",
     )
     _add_run_arguments(train_parser)
     amp = train_parser.add_argument_group("mixed precision")
@@ -199,7 +200,9 @@ def build_parser() -> Parser:
         "--precision",
         choices=("auto", *PRECISIONS),
         default="auto",
-        help="auto (default): bf16-mixed on CPU and on GPUs with native bf16, 16-mixed on older GPUs; bf16-true: "
+        help="auto (default): what `amp-plus doctor` recommends here: bf16-mixed on GPUs with native bf16 and on "
+        "CPUs with native bf16 arithmetic (avx512_bf16, amx_bf16), 16-mixed on older GPUs, 32-true on other CPUs "
+        "(bf16 autocast is several times slower there; the first line says so); bf16-true: "
         "bf16 weights, compensated (--compensation); fp8-mixed: bf16-mixed with the eligible Linear layers in FP8 "
         "(torchao; CUDA sm89+, or CPU emulated; docs/fp8.md)",
     )

@@ -97,18 +97,20 @@ def check_fp8_gpu(index: int) -> None:
 
 
 def resolve_precision(precision: str, device: str) -> PrecisionName:
-    """The precision to run: ``"auto"`` picks bf16 where it is native or on CPU, fp16 on older GPUs; checks support.
+    """The precision to run: ``"auto"`` is what ``amp-plus doctor`` recommends on ``device``; checks support.
 
-    A requested half dtype must really run under autocast on ``device`` (tested with a tiny matmul), and bf16 on a GPU
-    must be native: emulated bf16 on pre-Ampere GPUs is far slower than fp16. ``"bf16-true"`` is checked as bf16.
+    ``"auto"`` asks :func:`~.doctor.recommend` about ``device`` (probed without the benchmark): bf16-mixed on a GPU
+    with native bf16 and on a CPU whose feature flags list native bf16 arithmetic, 16-mixed on older GPUs, 32-true on
+    any other CPU, where bf16 autocast makes training several times slower. A requested half dtype must really run
+    under autocast on ``device`` (tested with a tiny matmul), and bf16 on a GPU must be native: emulated bf16 on
+    pre-Ampere GPUs is far slower than fp16. ``"bf16-true"`` is checked as bf16.
 
     Examples:
-        >>> resolve_precision("auto", "cpu")
-        'bf16-mixed'
+        >>> resolve_precision("auto", "cpu") in ("bf16-mixed", "32-true")
+        True
     """
     if precision == "auto":
-        native = device != "cuda" or doctor.cuda_bf16_native(torch.cuda.current_device())
-        precision = "bf16-mixed" if native else "16-mixed"
+        precision = doctor.recommend(doctor.probe(device)).precision
     checked = "bf16-mixed" if precision in ("bf16-true", "fp8-mixed") else precision  # fp8-mixed: bf16 autocast
     if precision == "fp8-mixed" and device == "cuda":
         check_fp8_gpu(torch.cuda.current_device())

@@ -326,7 +326,7 @@ def _start_line(
     threads: str = "",
     fp8: str = "",
 ) -> str:
-    master = _weights_note(precision, amp.master_weights, amp.compensation)
+    master = _weights_note(precision, amp.master_weights, amp.compensation) + _auto_note(args, precision, device)
     if precision == "fp8-mixed":
         master += f" ({amp.fp8_recipe or 'tensorwise'}{'; ' + fp8 if fp8 else ''})"
     if amp.spike_guard is not None:
@@ -343,6 +343,19 @@ def _start_line(
         f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
         f"{length}{', ' + threads if threads else ''} (Ctrl-C stops cleanly with the summary so far)"
     )
+
+
+def _auto_note(args: argparse.Namespace, precision: str, device: str) -> str:
+    """Why ``--precision auto`` runs no plugin, for the first line: the command is there to show the plugin at work."""
+    if args.precision != "auto" or precision != "32-true":
+        return ""
+    if device == "cpu":
+        return (
+            " (auto, as `amp-plus doctor` recommends here: this CPU shows no native bf16 arithmetic, avx512_bf16 or "
+            "amx_bf16, and bf16 autocast would make training several times slower; --precision bf16-mixed runs "
+            "MixedPrecisionPlugin anyway)"
+        )
+    return " (auto, as `amp-plus doctor` recommends here: autocast runs neither fp16 nor bf16 on this GPU)"
 
 
 def fp8_note(model: nn.Module) -> str:

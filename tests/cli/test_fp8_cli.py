@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import usage_error
+from helpers import native_bf16_cpu, usage_error
 from processes import amp_plus
 
 from lightning_amp_plus.cli import AmpSettings, build_parser, main
@@ -77,6 +77,8 @@ def test_fp8_flags_that_cannot_apply_are_refused_first(
         no_work(monkeypatch)
     else:  # auto is resolved on the machine, in train, still before any work
         import lightning.pytorch as pl
+
+        native_bf16_cpu(monkeypatch)  # auto: bf16-mixed there
 
         monkeypatch.setattr(pl.Trainer, "fit", lambda *a, **k: pytest.fail("training started before the refusal"))
     assert error in usage_error(["train", *TINY_CNN, *argv], capsys)
