@@ -27,6 +27,7 @@ from typing import NoReturn
 
 from lightning_amp_plus import __version__
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
+from lightning_amp_plus.cli import _machine
 from lightning_amp_plus.cli._argparse import Parser, plain_warnings
 from lightning_amp_plus.cli._checks import (
     LR_MAX,
@@ -108,8 +109,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--threads",
         type=int_in(1),
-        help="CPU threads for torch (train's default: as many as cores are idle when it starts, said on its first "
-        "line; compare's: torch's choice)",
+        help="CPU threads for torch, at most the usable cores (shared among --devices processes; train's default: "
+        "as many as cores are idle when it starts, said on its first line; compare's: torch's choice)",
     )
     run.add_argument(
         "--seed",
@@ -333,6 +334,10 @@ def _check_request(args: argparse.Namespace) -> None:
     if args.command not in ("train", "compare"):
         return
     train_settings(args)
+    if args.threads is not None:
+        problem = _machine.threads_problem(args.threads, getattr(args, "devices", 1), _machine.usable_cores())
+        if problem is not None:
+            raise ValueError(problem)
     if args.data == "real":
         check_data_dir(args.data_dir, "--data-dir", download=not args.no_download)
     if args.command == "train":

@@ -390,6 +390,40 @@ def test_a_half_dtype_autocast_cannot_run_here_is_a_usage_error(
     assert "no fp16 kernels on this device" in err and "amp-plus doctor" in err
 
 
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["train", "--threads", "3"], "--threads 3 asks for 3 CPU threads, but this machine has 2 usable cores"),
+        (["train", "--threads", "100000"], "--threads 100000 asks for 100,000 CPU threads, but this machine has 2 "),
+        (["train", "--threads", "2", "--devices", "2"], "--threads 2 with --devices 2 asks for 4 CPU threads (2 in "
+         "each of 2 processes), but this machine has 2 usable cores"),
+        (["compare", "--threads", "1000"], "--threads 1000 asks for 1,000 CPU threads, but this machine has 2 usable"),
+    ],
+)  # fmt: skip
+@pytest.mark.usefixtures("no_work")
+def test_more_threads_than_usable_cores_are_refused_before_any_work_with_the_most_this_machine_takes(
+    argv: list[str], fragment: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Unbounded, --threads 1000 ran 6x slower than 2 on a 2-core machine, 10000 hung and 100000 crashed torch (exit
+    # 139, no message). Bounded as --devices is: by the cores this process may use.
+    from lightning_amp_plus.cli import _machine
+
+    monkeypatch.setattr(_machine, "usable_cores", lambda: 2)
+    err = usage_error(argv, capsys)
+    assert err.startswith(f"amp-plus {argv[0]}: error: {fragment}"), err
+    most = "--threads 1 with --devices 2" if "--devices" in argv else "--threads 2 or fewer"
+    assert f"Use {most} on this machine, or leave --threads out" in err
+
+
+def test_as_many_threads_as_usable_cores_pass_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_amp_plus.cli import _machine, check_request
+
+    monkeypatch.setattr(_machine, "usable_cores", lambda: 2)
+    check_request(build_parser().parse_args(["train", "--threads", "2"]))
+    check_request(build_parser().parse_args(["train", "--threads", "1", "--devices", "2"]))
+    check_request(build_parser().parse_args(["compare", "--threads", "2"]))
+
+
 @pytest.mark.parametrize("flag", ["--report", "--png"])
 @pytest.mark.usefixtures("no_work")
 def test_a_chart_without_matplotlib_is_a_usage_error(
