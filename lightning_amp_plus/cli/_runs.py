@@ -18,6 +18,7 @@ from typing import Any, Literal, TypeVar, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+from lightning.pytorch.callbacks import ModelSummary
 
 from lightning_amp_plus import data as datasets
 from lightning_amp_plus.cli import _machine, doctor
@@ -227,8 +228,12 @@ def example_input(task: Task, datamodule: pl.LightningDataModule) -> Any:
 
 # --------------------------------------------------------------------------------------------------- console
 @contextmanager
-def lightning_output(info: bool) -> Iterator[None]:
+def lightning_output(info: bool, summary: bool = False) -> Iterator[None]:
     """Lightning's info lines and tips (devices, why ``fit`` stopped, "does not have many workers") shown or not.
+
+    ``summary``: the model summary shows either way. Lightning logs it as one more info line, through its
+    ``ModelSummary`` module's logger: that logger is set to show info lines on its own, so ``--model-summary`` works
+    with or without ``--lightning-info``, as each console flag chooses its own output.
 
     Warnings stay visible: they may be the user's business. Not Lightning's ``PossibleUserWarning`` tips while its info
     lines are off (about data-loader workers, logging intervals, samplers: advice for code the user of this command
@@ -236,10 +241,14 @@ def lightning_output(info: bool) -> Iterator[None]:
     (:mod:`._noise`).
     """
     loggers = _lightning_loggers()
+    summary_logger = logging.getLogger(ModelSummary.__module__)
+    loggers.append(summary_logger)
     levels = [logger.level for logger in loggers]
     if not info:
         for logger in loggers:
             logger.setLevel(logging.WARNING)
+    if summary:
+        summary_logger.setLevel(logging.INFO)  # its own level wins over its parents' WARNING
     try:
         with warnings.catch_warnings():
             if not info:

@@ -146,7 +146,8 @@ def _fit(
     last_val = _LastValidation()
     start = time.perf_counter()
     ckpt_path = None if resume is None else str(resume.path)
-    with lightning_output(args.lightning_info), warnings.catch_warnings():  # the Trainer's constructor prints too
+    # The Trainer's constructor prints too.
+    with lightning_output(args.lightning_info, args.model_summary), warnings.catch_warnings():
         # The folder was checked before: empty for a new run, the run's own for --resume.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         trainer = _trainer(args, settings, device, amp, [*monitors, last_val, record], resume)

@@ -185,6 +185,19 @@ def test_each_console_flag_brings_its_output_back_and_the_summary_measures_flops
     assert flops is not None and flops.group(1).strip() != "0"  # measured on one sample, not the all-zero column
 
 
+@pytest.mark.parametrize("flag", ["--model-summary", "--progress-bar", "--lightning-info"])
+def test_each_console_flag_alone_brings_back_its_own_output_and_only_that(
+    flag: str, capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    # --model-summary printed nothing without --lightning-info: the summary is one of Lightning's info lines.
+    others = [f"--no-{name}" for name in ("model-summary", "progress-bar", "lightning-info") if f"--{name}" != flag]
+    assert main(["train", *TINY_CNN, "--max-steps", "2", "--precision", "32-true", flag, *others]) == 0
+    everything = "".join(capfd.readouterr()) + caplog.text
+    shown = {"--model-summary": "Total Flops", "--progress-bar": "it/s]", "--lightning-info": "GPU available"}
+    for name, output in shown.items():
+        assert (output in everything) == (name == flag), (name, everything[-3000:])
+
+
 # ------------------------------------------------------------------------------------------------ settings
 def test_amp_settings_build_the_plugin_and_monitor_they_describe(tmp_path: Path) -> None:
     fp16 = AmpSettings("16-mixed", init_scale=512.0, growth_interval=7, hysteresis=2, max_consecutive_skips=0)
