@@ -331,6 +331,34 @@ def test_real_data_missing_offline_is_a_usage_error_that_says_what_to_do(
     assert "--data synthetic" in err
 
 
+@pytest.mark.parametrize(
+    ("flag", "name"),
+    [("--report", "x.png"), ("--png", "x.png"), ("--csv", "x.csv"), ("--ckpt-dir", "ckpt"), ("--data-dir", "data")],
+)
+@pytest.mark.usefixtures("no_work")
+def test_a_path_through_a_missing_folder_and_back_up_is_checked_where_it_leads_and_nothing_is_created(
+    flag: str, name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `~/nonexist/../../proc/sys/x.png` passed the check (nothing after `nonexist` can be looked at before it exists),
+    # trained the whole run, then failed to write the chart and left `~/nonexist` behind.
+    path = f"{tmp_path}/nonexist/{'../' * len(tmp_path.parts)}proc/sys/{name}"
+    command = "compare" if flag in ("--png", "--csv") else "train"
+    extra = ["--data", "real"] if flag == "--data-dir" else []
+    err = usage_error([command, flag, path, *extra], capsys)
+    assert err.startswith(f"amp-plus {command}: error: {flag} {path}: no file can be created in /proc/sys"), err
+    assert list(tmp_path.iterdir()) == []  # the check created nothing, `nonexist` included
+
+
+def test_a_path_through_a_missing_folder_writes_where_it_leads_without_creating_that_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = tmp_path / "nonexist" / ".." / "charts" / "amp.png"
+    run_train(*TINY_CNN, "--max-steps", "1", "--precision", "32-true", "--report", str(report))
+    assert f"chart written to {tmp_path / 'charts' / 'amp.png'}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["charts"]
+    assert (tmp_path / "charts" / "amp.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_cuda_requested_without_cuda_is_a_usage_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
