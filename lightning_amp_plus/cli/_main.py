@@ -12,8 +12,8 @@ Subcommands:
 
 Everything a request can get wrong is checked before any work starts, most of it before torch and Lightning are even
 imported (so ``--help`` and a mistyped flag answer at once): :func:`main` prints one paragraph on stderr and exits with
-code 2, never a traceback. Ctrl-C stops cleanly with what was measured so far (exit code 130); a run that stops with
-a diagnosis exits with code 1.
+code 2, never a traceback. Ctrl-C stops cleanly with what was measured so far (exit code 130), and so does a SIGTERM
+during training (named as such, exit code 143); a run that stops with a diagnosis exits with code 1.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from lightning_amp_plus.cli._checks import (
     LR_MAX,
     SEED_MAX,
     RunFailed,
+    Terminated,
     UsageError,
     check_ckpt_dir,
     float_in,
@@ -61,6 +62,8 @@ __all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "consol
 PROG = "amp-plus"
 INTERRUPTED = 130
 """The exit code after Ctrl-C: 128 + SIGINT, as shells report it."""
+TERMINATED = 143
+"""The exit code after a SIGTERM that stopped a run cleanly: 128 + SIGTERM, as shells report it."""
 _LR_WHY = ": the shipped models train at 1e-3 to 0.1, and far larger rates overflow the optimizer's float32 update"
 _SCALE_WHY = ": the loss scaler keeps its scale between its min_scale 1 and max_scale 2**24"
 
@@ -396,8 +399,8 @@ def _fail(command: str, message: str) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``amp-plus`` with ``argv`` (``sys.argv[1:]`` if ``None``) and return the exit code.
 
-    0 on success; 2 (as ``SystemExit``) for a usage error, before any work; 130 after Ctrl-C; 1 when a run stopped
-    with a diagnosis.
+    0 on success; 2 (as ``SystemExit``) for a usage error, before any work; 130 after Ctrl-C; 143 after a SIGTERM
+    that stopped a run (named as such, not as Ctrl-C); 1 when a run stopped with a diagnosis.
 
     Examples:
         >>> main(["doctor", "--no-benchmark", "--json"])  # doctest: +ELLIPSIS
@@ -420,8 +423,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(args.command, str(error))
     except KeyboardInterrupt as interrupt:
         detail = f" {interrupt}" if str(interrupt) else ""
-        print(f"{PROG} {args.command}: interrupted (Ctrl-C){detail}", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        how = "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted (Ctrl-C)"
+        print(f"{PROG} {args.command}: {how}{detail}", file=sys.stderr, flush=True)
+        return TERMINATED if isinstance(interrupt, Terminated) else INTERRUPTED
     except (RunFailed, FloatingPointError) as error:
         print(f"{PROG} {args.command}: stopped: {error}", file=sys.stderr, flush=True)
         return 1
@@ -431,10 +435,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> int:
     """The ``amp-plus`` console script (and ``python -m lightning_amp_plus``): :func:`main` on ``sys.argv``.
 
-    Once the command is done, Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's
-    exit handlers), and a Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130
-    (and a traceback from whatever exit handler it hit). Only here, not in :func:`main`, which a program may call.
+    Ctrl-C (SIGINT) stops the command even when it was started with SIGINT ignored, as a shell starts a background job
+    (``amp-plus train ... &``, ``nohup ... &``) and as it passes on to what it starts: Python keeps an ignored SIGINT
+    ignored, and nothing, neither Ctrl-C nor ``kill -INT``, would stop the run cleanly. Once the command is done,
+    Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's exit handlers), and a
+    Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130 (and a traceback from
+    whatever exit handler it hit). Only here, not in :func:`main`, which a program may call: its signals are its own.
     """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return code

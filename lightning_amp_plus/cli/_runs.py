@@ -19,10 +19,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_amp_plus import data as datasets
 from lightning_amp_plus.cli import _machine, doctor
-from lightning_amp_plus.cli._checks import UsageError
+from lightning_amp_plus.cli._checks import Terminated, UsageError
 from lightning_amp_plus.cli._settings import PrecisionName, Task
 from lightning_amp_plus.data._download import DatasetUnavailableError
 from lightning_amp_plus.models import CifarCNN, ImdbLSTM
@@ -277,14 +278,17 @@ def interruptible(trainer: pl.Trainer, call: Callable[[], _T]) -> _T:
 
     Lightning catches ``KeyboardInterrupt`` inside ``fit``/``validate``, tears down, ignores further Ctrl-C and calls
     ``sys.exit(1)``; a command then cannot tell an interrupt from a failure, nor print what was measured so far.
-    Here that exit becomes a ``KeyboardInterrupt`` again, with the default Ctrl-C handler restored.
+    Here that exit becomes a ``KeyboardInterrupt`` again, with the default Ctrl-C handler restored. A SIGTERM, which
+    Lightning turns into its ``SIGTERMException`` at the next step, arrives as :class:`~._checks.Terminated`.
     """
     try:
         return call()
-    except SystemExit:
+    except SystemExit as stop:
         if not trainer.interrupted:
             raise
         _restore_ctrl_c()
+        if isinstance(stop, SIGTERMException):
+            raise Terminated from None
         raise KeyboardInterrupt from None
 
 

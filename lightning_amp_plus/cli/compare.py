@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._paths import write_new, written_as
 from lightning_amp_plus._wording import plural
-from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._checks import RunFailed, Terminated, UsageError
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
 from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._runs import (
@@ -493,10 +493,11 @@ def run(args: argparse.Namespace) -> list[ConfigResult]:
         for number, spec in enumerate(specs, 1):
             print(f"  [{number}/{len(specs)}] {spec.config}", flush=True)
             results.append(run_config_isolated(spec) if isolated else run_config(spec))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if results:
             _report(args, results, specs[0], device, isolated)
-        raise KeyboardInterrupt(
+        kind = Terminated if isinstance(stop, Terminated) else KeyboardInterrupt  # the command names the signal
+        raise kind(
             f"after {len(results)} of {plural(len(specs), 'configuration')}"
             + ("; the table above holds those that finished" if results else "")
         ) from None
@@ -557,6 +558,7 @@ def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer
 def _worker(argv: list[str]) -> None:
     """``python -m lightning_amp_plus.cli.compare SPEC.json RESULT.json``: run one configuration, write its result."""
     spec_path, result_path = argv
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops it even if its parent inherited it ignored
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     try:
         with without_lightning_noise():  # as in the command that started this worker

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli import _machine
-from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._checks import RunFailed, Terminated, UsageError
 from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point, saved_step
 from lightning_amp_plus.cli._runs import (
     build_model,
@@ -58,9 +58,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     Ctrl-C stops cleanly: the monitor's summary so far is printed, the chart written, and ``KeyboardInterrupt``
     raised again (saying where it stopped, and with ``--ckpt-dir`` which checkpoint ``--resume`` continues from) for
-    the command to exit with code 130. A stop with a diagnosis (``FloatingPointError``: steps that keep overflowing)
-    reports the same way and raises ``RunFailed``. With ``--resume``, training continues from ``--ckpt-dir``'s
-    ``last.ckpt``, checked first (:mod:`._resume`). The CPU threads it chooses are torch's again on return.
+    the command to exit with code 130. SIGTERM stops it the same way at the next step, as
+    :class:`~._checks.Terminated` (exit code 143). A stop with a diagnosis (``FloatingPointError``: steps that keep
+    overflowing) reports the same way and raises ``RunFailed``. With ``--resume``, training continues from
+    ``--ckpt-dir``'s ``last.ckpt``, checked first (:mod:`._resume`). The CPU threads it chooses are torch's again on
+    return.
     """
     threads_before = torch.get_num_threads()
     try:
@@ -278,9 +280,10 @@ def _stopped(stop: BaseException, trainer: pl.Trainer, during: str, saved: str =
             else ""
         )
         return RunFailed(f"{stop}{flag}")
+    kind = Terminated if isinstance(stop, Terminated) else KeyboardInterrupt  # the command names the signal
     if during == "training":
-        return KeyboardInterrupt(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation{saved}")
-    return KeyboardInterrupt("during the final validation (training had finished; its summary is above)")
+        return kind(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation{saved}")
+    return kind("during the final validation (training had finished; its summary is above)")
 
 
 def _saved(args: argparse.Namespace) -> str:

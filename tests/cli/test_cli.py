@@ -477,13 +477,19 @@ def test_a_chart_without_matplotlib_is_a_usage_error(
 
 
 # ---------------------------------------------------------------------------------------- processes, Ctrl-C
+# A shell starts a background job (`amp-plus train ... &`, `nohup ... &`) with SIGINT ignored, and the job's children
+# inherit that: `trap "" INT` does the same here, whatever the disposition of the process running these tests.
+SIGINT_IGNORED = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]
+
+
 @pytest.mark.integration
-def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint", ["inherited-default", "inherited-ignored"])
+def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(sigint: str, tmp_path: Path) -> None:
     chart = tmp_path / "amp.png"
     # The progress bar shows when training has started (its "Epoch 0" comes from inside fit).
     argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
             "--report", str(chart), "--progress-bar"]  # fmt: skip
-    process = processes.start(argv)
+    process = processes.start([*SIGINT_IGNORED, *argv] if sigint == "inherited-ignored" else argv)
     try:
         seen = processes.read_until(process, b"Epoch 0:", timeout=120)  # each read waits only for the time left
         assert b"Epoch 0:" in seen, seen
@@ -498,6 +504,28 @@ def test_ctrl_c_stops_training_cleanly_with_the_summary_so_far_and_the_chart(tmp
     assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
     assert f"chart written to {chart}" in out and chart.read_bytes()[:8] == PNG_SIGNATURE
     assert re.search(r"amp-plus train: interrupted \(Ctrl-C\) after \d+ optimizer steps?; no final validation", err)
+
+
+@pytest.mark.integration
+def test_sigterm_stops_training_cleanly_and_is_named_sigterm_not_ctrl_c(tmp_path: Path) -> None:
+    chart = tmp_path / "amp.png"
+    argv = [sys.executable, "-m", "lightning_amp_plus", "train", *TINY_CNN, "--epochs", "100000", "--threads", "1",
+            "--report", str(chart), "--progress-bar"]  # fmt: skip
+    process = processes.start(argv)
+    try:
+        seen = processes.read_until(process, b"Epoch 0:", timeout=120)
+        assert b"Epoch 0:" in seen, seen
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        rest, err = processes.finish(process, timeout=60, what="amp-plus train after SIGTERM")
+    finally:
+        processes.kill_group(process)
+    out = seen.decode() + rest
+    assert process.returncode == 143, err  # 128 + SIGTERM, as a shell reports it
+    assert "Traceback" not in out + err and "Ctrl-C)" not in err
+    assert re.search(r"MixedPrecisionMonitor: \d+ optimizer steps?, 0 skipped", out), out[-2000:]
+    assert f"chart written to {chart}" in out and chart.read_bytes()[:8] == PNG_SIGNATURE
+    assert re.search(r"amp-plus train: terminated \(SIGTERM\) after \d+ optimizer steps?; no final validation", err)
 
 
 @pytest.mark.integration
