@@ -290,8 +290,11 @@ def build_parser() -> Parser:
     loop.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs (the "
-        "other flags as in that run)",
+        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs. "
+        "Restored from the checkpoint: the weights, the optimizer and LR scheduler, the step count and the plugin's "
+        "state (loss scale, skip counters, compensation). Not restored: the flags (give that run's again: a different "
+        "model, data or precision flag is refused, naming it; docs/resuming.md lists what may change) and the "
+        "monitor's history (its summary and chart cover this run's steps)",
     )
     _add_console_arguments(train_parser)
 
