@@ -77,6 +77,7 @@ __all__ = [
     "RunSpec",
     "StepTimer",
     "format_table",
+    "loss_window",
     "memory_method",
     "run",
     "run_config",
@@ -525,8 +526,8 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool, fp8: boo
         + (", CUDA synchronised at both ends" if device == "cuda" else "")
         + "; configurations run one after another, so other work on the machine skews the ratios",
         memory_method(device, isolated),
-        f"final train loss: mean of the last {_LOSS_WINDOW} steps; val acc: one validation after training; the same "
-        f"seed ({spec.seed}), initial weights and batches for every configuration",
+        f"final train loss: {loss_window(spec.steps)}; val acc: one validation after training; the same seed "
+        f"({spec.seed}), initial weights and batches for every configuration",
     ]
     if not has_base:
         notes.append("vs 32-true: not measured (32-true was not among --configs)")
@@ -542,6 +543,20 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool, fp8: boo
             "slowest); the ratios show that, not what a GPU does, and steps are few so that CPU runs stay short"
         )
     return notes
+
+
+def loss_window(steps: int) -> str:
+    """What the final train loss of a run of ``steps`` steps averages, as the footer says it.
+
+    Examples:
+        >>> loss_window(16), loss_window(2), loss_window(1)
+        ('mean of the last 5 steps', 'mean of both steps', 'the loss of the one step')
+    """
+    if steps == 1:
+        return "the loss of the one step"
+    if steps == 2:
+        return "mean of both steps"
+    return f"mean of {'the last' if steps > _LOSS_WINDOW else 'all'} {min(steps, _LOSS_WINDOW)} steps"
 
 
 def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer: list[str], title: str) -> None:
