@@ -18,7 +18,39 @@ from typing import IO
 
 from lightning_amp_plus._wording import shown
 
-__all__ = ["check_data_dir", "check_output_dir", "check_output_file", "numbered", "written_as", "write_new"]
+__all__ = [
+    "as_created",
+    "check_data_dir",
+    "check_output_dir",
+    "check_output_file",
+    "numbered",
+    "written_as",
+    "write_new",
+]
+
+
+def as_created(path: str | os.PathLike[str]) -> Path:
+    """Where ``path`` leads once its missing folders are created: what a check must look at, and where to write.
+
+    The OS follows a ``..`` only out of a folder that exists: in ``new/../../proc/x.png``, with ``new`` missing,
+    nothing after ``new`` can be looked at, yet once ``mkdir -p`` has created ``new`` the path leads into ``/proc``.
+    So the part that exists is taken as the OS resolves it (symbolic links followed) and the rest as written, its
+    ``..`` undoing the folders that would be created. A path whose missing part has no ``..`` is returned unchanged.
+
+    Examples:
+        >>> str(as_created("/no-such-folder/../proc/sys/x.png"))
+        '/proc/sys/x.png'
+        >>> str(as_created("no-such-folder/amp.png"))
+        'no-such-folder/amp.png'
+    """
+    parts = Path(path).parts
+    cut = len(parts)
+    while cut > 0 and not Path(*parts[:cut]).exists():
+        cut -= 1
+    head, rest = (Path(*parts[:cut]) if cut else Path(".")), parts[cut:]
+    if ".." not in rest or not head.is_dir():  # under a file, nothing can be created: the checks say so
+        return Path(path)
+    return Path(os.path.normpath(os.path.join(os.path.realpath(head), *rest)))
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -47,8 +79,9 @@ def check_output_file(
     """Raise ``ValueError`` unless a file can be written at ``path`` (missing folders may be created); return it.
 
     Checked without leaving a trace: an existing file is opened for appending (not changed), otherwise a temporary
-    file is created and removed in the nearest existing folder. ``suffixes`` (lower case, with the dot) are the
-    endings the writer's format needs, ``kind`` names that format in the message.
+    file is created and removed in the nearest existing folder of where the path leads once its folders are created
+    (:func:`as_created`: ``new/../../proc/x.png`` is checked in ``/proc``). ``suffixes`` (lower case, with the dot)
+    are the endings the writer's format needs, ``kind`` names that format in the message.
 
     Examples:
         >>> check_output_file("/proc/x.png", "--report")
@@ -56,10 +89,10 @@ def check_output_file(
         ...
         ValueError: --report /proc/x.png: no file can be created in /proc (No such file or directory). Choose a path in a folder you can write to.
     """  # noqa: E501
-    target = Path(path)
     said = shown(argument, path)
     if str(path) == "":
         raise ValueError(f"{said}: the path is empty. Give a file path{_example(suffixes)}.")
+    target = as_created(path)
     if target.is_dir():
         raise ValueError(f"{said} is a folder: give a file path in it{_example(suffixes, target)}.")
     if suffixes and target.suffix.lower() not in suffixes:
@@ -97,10 +130,10 @@ def check_output_dir(path: str | os.PathLike[str], argument: str) -> Path:
         ...
         ValueError: --ckpt-dir /proc/ckpt: no file can be created in /proc (No such file or directory). Choose a folder you can write to.
     """  # noqa: E501
-    target = Path(path)
     said = shown(argument, path)
     if str(path) == "":
         raise ValueError(f"{said}: the path is empty. Give a folder.")
+    target = as_created(path)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{said} is a file, not a folder. Give a folder (it is created if missing).")
     why = _cannot_create_in(_nearest_existing(target))
@@ -118,7 +151,7 @@ def check_data_dir(path: str | os.PathLike[str], argument: str, download: bool) 
         ...
         ValueError: --data-dir ..._paths.py is a file, not a folder. Give the folder that holds (or will hold) the dataset.
     """  # noqa: E501
-    target = Path(path)
+    target = as_created(path)
     said = shown(argument, path)
     if target.exists() and not target.is_dir():
         raise ValueError(f"{said} is a file, not a folder. Give the folder that holds (or will hold) the dataset.")
@@ -150,7 +183,8 @@ def write_new(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]
 
     Each name is taken with an exclusive create (``open(..., "xb")``): a file that appears meanwhile is not
     overwritten either. Missing folders are created; a write that fails leaves no partial file. Returns where the file
-    went (say it: :func:`written_as`).
+    went (say it: :func:`written_as`). A ``..`` after a missing folder is followed as :func:`as_created` does, without
+    creating that folder.
 
     Examples:
         >>> import tempfile
@@ -158,7 +192,7 @@ def write_new(path: str | os.PathLike[str], write: Callable[[IO[bytes]], object]
         >>> [write_new(folder / "table.csv", lambda f: f.write(b"x")).name for _ in range(2)]
         ['table.csv', 'table-1.csv']
     """
-    target = Path(path)
+    target = as_created(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     for candidate in numbered(target):
         try:
@@ -183,6 +217,6 @@ def written_as(asked: str | os.PathLike[str], written: Path) -> str:
         >>> written_as("amp.png", Path("amp.png")), written_as("amp.png", Path("amp-1.png"))
         ('amp.png', 'amp-1.png (amp.png exists: it was left as it was)')
     """
-    if Path(asked) == written:
+    if as_created(asked) == written:
         return str(written)
     return f"{written} ({asked} exists: it was left as it was)"

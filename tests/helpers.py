@@ -305,6 +305,17 @@ def unscaled_reference_grads(module: pl.LightningModule, batch: tuple[Tensor, Te
 
 
 # ------------------------------------------------------------------------------------------- the command line
+def native_bf16_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make this CPU's feature flags list native bf16, so that ``--precision auto`` runs bf16-mixed on any machine.
+
+    ``auto`` is what ``amp-plus doctor`` recommends: bf16-mixed only on a CPU with native bf16 arithmetic, 32-true on
+    the others. A test about what auto chooses says which kind of CPU it means.
+    """
+    from lightning_amp_plus.cli import doctor
+
+    monkeypatch.setattr(doctor, "cpu_flags", lambda cpuinfo=doctor.CPUINFO: frozenset({"avx2", "avx512_bf16"}))
+
+
 def usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """Run ``amp-plus argv`` in this process, expect exit code 2, and return stderr (which must hold no traceback)."""
     with pytest.raises(SystemExit) as exit_info:

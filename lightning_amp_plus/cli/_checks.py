@@ -14,7 +14,7 @@ from pathlib import Path
 
 from lightning_amp_plus._wording import number
 
-__all__ = ["LR_MAX", "SEED_MAX", "RunFailed", "UsageError", "check_ckpt_dir", "float_in", "int_in"]
+__all__ = ["LR_MAX", "SEED_MAX", "RunFailed", "Terminated", "UsageError", "check_ckpt_dir", "float_in", "int_in"]
 
 SEED_MAX = 2**32 - 1
 """The largest seed ``seed_everything`` accepts (numpy's generator takes 32-bit seeds)."""
@@ -31,6 +31,14 @@ class UsageError(Exception):
     Examples:
         >>> str(UsageError("--master-weights needs a mixed precision"))
         '--master-weights needs a mixed precision'
+    """
+
+
+class Terminated(KeyboardInterrupt):
+    """A run stopped by SIGTERM (``kill``, a scheduler, a container stopping), cleanly, as Ctrl-C stops it.
+
+    A ``KeyboardInterrupt``, so that whatever keeps the results of an interrupted run keeps them here too; the command
+    names the signal and exits with code 143 (128 + SIGTERM), as shells report a process that SIGTERM ended.
     """
 
 

@@ -9,6 +9,7 @@ Every reading falls back to ``None`` (unknown) where the OS does not offer it, a
   training process started the same way holds at least as much.
 * :func:`idle_cores`: how many cores sat idle over a short sample, for the default thread count.
 * :func:`cpu_processes_problem`: whether ``--devices N`` CPU processes fit, worded as the error to print.
+* :func:`threads_problem`: whether ``--threads N`` fits the usable cores, worded as the error to print.
 * :func:`thread_choice`: the CPU threads each training process gets when ``--threads`` is not given: the idle cores.
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "idle_cores",
     "private_memory_mb",
     "thread_choice",
+    "threads_problem",
     "usable_cores",
 ]
 
@@ -199,6 +201,42 @@ def cpu_processes_problem(
     return (
         f"--devices {devices} asks for {plural(devices, 'training process', 'training processes')} on the CPU, but "
         f"{why}. Use --devices {most} or fewer on this machine (--devices 1 trains in one process on every core)."
+    )
+
+
+def threads_problem(threads: int, devices: int, cores: int) -> str | None:
+    """Why ``--threads threads`` in each of ``devices`` processes does not fit ``cores`` usable cores, or ``None``.
+
+    torch's threads wait for each other at every operation: threads beyond the cores only take turns on them, so the
+    run is slower, never faster, and thousands of threads can hang torch's thread pool or crash it. Each process gets
+    its share of the cores (``cores // devices``, at least 1: more processes than cores are
+    :func:`cpu_processes_problem`'s to refuse).
+
+    Examples:
+        >>> threads_problem(2, 1, 2) is None, threads_problem(1, 2, 2) is None
+        (True, True)
+        >>> print(threads_problem(1000, 1, 2))
+        --threads 1000 asks for 1,000 CPU threads, but this machine has 2 usable cores: torch's threads wait for each other at every operation, so threads beyond the cores make training slower, never faster (and thousands of them can hang or crash torch). Use --threads 2 or fewer on this machine, or leave --threads out: the run then takes the cores that are idle.
+        >>> print(threads_problem(2, 2, 2))
+        --threads 2 with --devices 2 asks for 4 CPU threads (2 in each of 2 processes), but this machine has 2 usable cores: torch's threads wait for each other at every operation, so threads beyond the cores make training slower, never faster (and thousands of them can hang or crash torch). Use --threads 1 with --devices 2 on this machine, or leave --threads out: the run then takes the cores that are idle.
+    """  # noqa: E501
+    most = max(1, cores // devices)
+    if threads <= most:
+        return None
+    if devices > 1:
+        asked = (
+            f"--threads {threads} with --devices {devices} asks for {threads * devices:,} CPU threads ({threads:,} in "
+            f"each of {devices} processes)"
+        )
+        use = f"--threads {most} or fewer" if most > 1 else "--threads 1"
+        use += f" with --devices {devices}"
+    else:
+        asked = f"--threads {threads} asks for {plural(threads, 'CPU thread')}"
+        use = f"--threads {most} or fewer" if most > 1 else "--threads 1"
+    return (
+        f"{asked}, but this machine has {plural(cores, 'usable core')}: torch's threads wait for each other at every "
+        "operation, so threads beyond the cores make training slower, never faster (and thousands of them can hang or "
+        f"crash torch). Use {use} on this machine, or leave --threads out: the run then takes the cores that are idle."
     )
 
 

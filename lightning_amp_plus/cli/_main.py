@@ -12,8 +12,8 @@ Subcommands:
 
 Everything a request can get wrong is checked before any work starts, most of it before torch and Lightning are even
 imported (so ``--help`` and a mistyped flag answer at once): :func:`main` prints one paragraph on stderr and exits with
-code 2, never a traceback. Ctrl-C stops cleanly with what was measured so far (exit code 130); a run that stops with
-a diagnosis exits with code 1.
+code 2, never a traceback. Ctrl-C stops cleanly with what was measured so far (exit code 130), and so does a SIGTERM
+during training (named as such, exit code 143); a run that stops with a diagnosis exits with code 1.
 """
 
 from __future__ import annotations
@@ -27,11 +27,13 @@ from typing import NoReturn
 
 from lightning_amp_plus import __version__
 from lightning_amp_plus._paths import check_data_dir, check_output_dir, check_output_file
+from lightning_amp_plus.cli import _machine
 from lightning_amp_plus.cli._argparse import Parser, plain_warnings
 from lightning_amp_plus.cli._checks import (
     LR_MAX,
     SEED_MAX,
     RunFailed,
+    Terminated,
     UsageError,
     check_ckpt_dir,
     float_in,
@@ -60,6 +62,8 @@ __all__ = ["AmpSettings", "UsageError", "build_parser", "check_request", "consol
 PROG = "amp-plus"
 INTERRUPTED = 130
 """The exit code after Ctrl-C: 128 + SIGINT, as shells report it."""
+TERMINATED = 143
+"""The exit code after a SIGTERM that stopped a run cleanly: 128 + SIGTERM, as shells report it."""
 _LR_WHY = ": the shipped models train at 1e-3 to 0.1, and far larger rates overflow the optimizer's float32 update"
 _SCALE_WHY = ": the loss scaler keeps its scale between its min_scale 1 and max_scale 2**24"
 
@@ -108,8 +112,8 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--threads",
         type=int_in(1),
-        help="CPU threads for torch (train's default: as many as cores are idle when it starts, said on its first "
-        "line; compare's: torch's choice)",
+        help="CPU threads for torch, at most the usable cores (shared among --devices processes; train's default: "
+        "as many as cores are idle when it starts, said on its first line; compare's: torch's choice)",
     )
     run.add_argument(
         "--seed",
@@ -189,9 +193,10 @@ def build_parser() -> Parser:
         "train",
         help="train a shipped model (cnn or lstm) with MixedPrecisionPlugin and MixedPrecisionMonitor",
         description="Train CifarCNN (cnn) or ImdbLSTM (lstm) under MixedPrecisionPlugin with MixedPrecisionMonitor. "
-        "With no flags: synthetic data generated offline, bf16-mixed on CPU (bf16 on GPUs that have it, else fp16), "
-        "2 epochs; the run prints its time (measured ones: docs/benchmarks.md). Ctrl-C stops cleanly with the "
-        "monitor's summary so far.",
+        "With no flags: synthetic data generated offline, the precision `amp-plus doctor` recommends (bf16-mixed on "
+        "a CPU with native bf16 and on GPUs that have it, fp16 on older GPUs, 32-true on other CPUs), 2 epochs; the "
+        "run prints its time (measured ones: docs/benchmarks.md). Ctrl-C stops cleanly with the monitor's summary so "
+        "far.",
     )
     _add_run_arguments(train_parser)
     amp = train_parser.add_argument_group("mixed precision")
@@ -199,7 +204,9 @@ def build_parser() -> Parser:
         "--precision",
         choices=("auto", *PRECISIONS),
         default="auto",
-        help="auto (default): bf16-mixed on CPU and on GPUs with native bf16, 16-mixed on older GPUs; bf16-true: "
+        help="auto (default): what `amp-plus doctor` recommends here: bf16-mixed on GPUs with native bf16 and on "
+        "CPUs with native bf16 arithmetic (avx512_bf16, amx_bf16), 16-mixed on older GPUs, 32-true on other CPUs "
+        "(bf16 autocast is several times slower there; the first line says so); bf16-true: "
         "bf16 weights, compensated (--compensation); fp8-mixed: bf16-mixed with the eligible Linear layers in FP8 "
         "(torchao; CUDA sm89+, or CPU emulated; docs/fp8.md)",
     )
@@ -283,8 +290,11 @@ def build_parser() -> Parser:
     loop.add_argument(
         "--resume",
         action="store_true",
-        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs (the "
-        "other flags as in that run)",
+        help="continue the run saved in --ckpt-dir from its last.ckpt, up to the new --max-steps or --epochs. "
+        "Restored from the checkpoint: the weights, the optimizer and LR scheduler, the step count and the plugin's "
+        "state (loss scale, skip counters, compensation). Not restored: the flags (give that run's again: a different "
+        "model, data or precision flag is refused, naming it; docs/resuming.md lists what may change) and the "
+        "monitor's history (its summary and chart cover this run's steps)",
     )
     _add_console_arguments(train_parser)
 
@@ -330,6 +340,10 @@ def _check_request(args: argparse.Namespace) -> None:
     if args.command not in ("train", "compare"):
         return
     train_settings(args)
+    if args.threads is not None:
+        problem = _machine.threads_problem(args.threads, getattr(args, "devices", 1), _machine.usable_cores())
+        if problem is not None:
+            raise ValueError(problem)
     if args.data == "real":
         check_data_dir(args.data_dir, "--data-dir", download=not args.no_download)
     if args.command == "train":
@@ -388,8 +402,8 @@ def _fail(command: str, message: str) -> NoReturn:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``amp-plus`` with ``argv`` (``sys.argv[1:]`` if ``None``) and return the exit code.
 
-    0 on success; 2 (as ``SystemExit``) for a usage error, before any work; 130 after Ctrl-C; 1 when a run stopped
-    with a diagnosis.
+    0 on success; 2 (as ``SystemExit``) for a usage error, before any work; 130 after Ctrl-C; 143 after a SIGTERM
+    that stopped a run (named as such, not as Ctrl-C); 1 when a run stopped with a diagnosis.
 
     Examples:
         >>> main(["doctor", "--no-benchmark", "--json"])  # doctest: +ELLIPSIS
@@ -412,8 +426,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(args.command, str(error))
     except KeyboardInterrupt as interrupt:
         detail = f" {interrupt}" if str(interrupt) else ""
-        print(f"{PROG} {args.command}: interrupted (Ctrl-C){detail}", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        how = "terminated (SIGTERM)" if isinstance(interrupt, Terminated) else "interrupted (Ctrl-C)"
+        print(f"{PROG} {args.command}: {how}{detail}", file=sys.stderr, flush=True)
+        return TERMINATED if isinstance(interrupt, Terminated) else INTERRUPTED
     except (RunFailed, FloatingPointError) as error:
         print(f"{PROG} {args.command}: stopped: {error}", file=sys.stderr, flush=True)
         return 1
@@ -423,10 +438,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def console() -> int:
     """The ``amp-plus`` console script (and ``python -m lightning_amp_plus``): :func:`main` on ``sys.argv``.
 
-    Once the command is done, Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's
-    exit handlers), and a Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130
-    (and a traceback from whatever exit handler it hit). Only here, not in :func:`main`, which a program may call.
+    Ctrl-C (SIGINT) stops the command even when it was started with SIGINT ignored, as a shell starts a background job
+    (``amp-plus train ... &``, ``nohup ... &``) and as it passes on to what it starts: Python keeps an ignored SIGINT
+    ignored, and nothing, neither Ctrl-C nor ``kill -INT``, would stop the run cleanly. Once the command is done,
+    Ctrl-C is ignored: the interpreter still takes a moment to exit (torch's and Lightning's exit handlers), and a
+    Ctrl-C then would end a run that finished, its result printed, with SIGINT's exit status 130 (and a traceback from
+    whatever exit handler it hit). Only here, not in :func:`main`, which a program may call: its signals are its own.
     """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = main()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return code

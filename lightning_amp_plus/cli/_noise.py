@@ -1,8 +1,8 @@
-"""Lightning's warnings that nobody running this package's commands and examples can act on, silenced there only.
+"""Warnings and third-party log lines that nobody running the commands and examples can act on, silenced there only.
 
 Pure Python. Never installed at import: :func:`without_lightning_noise` is a context manager that the ``amp-plus``
 command and the example scripts enter around their own work, so that a user's program that imports the package keeps
-every warning filter it had (a test checks that importing any module of the package changes none).
+every warning filter it had (a test checks that importing any module of the package changes none), and every logger.
 
 Examples:
     >>> import warnings
@@ -15,11 +15,13 @@ Examples:
 
 from __future__ import annotations
 
+import logging
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["LIGHTNING_NOISE", "without_lightning_noise"]
+__all__ = ["LIGHTNING_NOISE", "LOG_NOISE", "without_lightning_noise"]
 
 LIGHTNING_NOISE: tuple[tuple[str, str], ...] = (
     # Lightning's model summary sizes this package's plugins' weights at 32 bits: they are FP32 (the masters).
@@ -32,11 +34,36 @@ LIGHTNING_NOISE: tuple[tuple[str, str], ...] = (
 )
 """The warnings silenced (a message pattern, and whose the warning is): none of them is about the user's code."""
 
+LOG_NOISE: tuple[tuple[str, str, str], ...] = (
+    # Importing torchao 0.18 (fp8-mixed) registers an Enum with a pytree API that torch 2.14 deprecates for Enums; torch
+    # logs it as a line of its own ("W1206 07:46:51 ... _pytree.py:630] ..."), past the command's own wording.
+    ("torch.utils._pytree", r".*register_constant\(\) on Enum subclasses is deprecated", "torchao 0.18 on torch 2.14"),
+)
+"""The log records silenced (a logger, a message pattern, and whose the line is): torch's, about another library."""
+
+
+class _Drop(logging.Filter):
+    """Drops the records whose message matches ``pattern``."""
+
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.match(record.getMessage()) is None
+
 
 @contextmanager
 def without_lightning_noise() -> Iterator[None]:
-    """Silence :data:`LIGHTNING_NOISE` while inside; the warning filters are restored on the way out."""
-    with warnings.catch_warnings():
-        for pattern, _ in LIGHTNING_NOISE:
-            warnings.filterwarnings("ignore", message=pattern)
-        yield
+    """Silence :data:`LIGHTNING_NOISE` and :data:`LOG_NOISE` while inside; filters and loggers are restored after."""
+    dropped = [(logging.getLogger(name), _Drop(pattern)) for name, pattern, _ in LOG_NOISE]
+    for logger, drop in dropped:
+        logger.addFilter(drop)
+    try:
+        with warnings.catch_warnings():
+            for pattern, _ in LIGHTNING_NOISE:
+                warnings.filterwarnings("ignore", message=pattern)
+            yield
+    finally:
+        for logger, drop in dropped:
+            logger.removeFilter(drop)

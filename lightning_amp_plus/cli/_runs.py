@@ -18,10 +18,12 @@ from typing import Any, Literal, TypeVar, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.warnings import PossibleUserWarning
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from lightning_amp_plus import data as datasets
 from lightning_amp_plus.cli import _machine, doctor
-from lightning_amp_plus.cli._checks import UsageError
+from lightning_amp_plus.cli._checks import Terminated, UsageError
 from lightning_amp_plus.cli._settings import PrecisionName, Task
 from lightning_amp_plus.data._download import DatasetUnavailableError
 from lightning_amp_plus.models import CifarCNN, ImdbLSTM
@@ -97,18 +99,20 @@ def check_fp8_gpu(index: int) -> None:
 
 
 def resolve_precision(precision: str, device: str) -> PrecisionName:
-    """The precision to run: ``"auto"`` picks bf16 where it is native or on CPU, fp16 on older GPUs; checks support.
+    """The precision to run: ``"auto"`` is what ``amp-plus doctor`` recommends on ``device``; checks support.
 
-    A requested half dtype must really run under autocast on ``device`` (tested with a tiny matmul), and bf16 on a GPU
-    must be native: emulated bf16 on pre-Ampere GPUs is far slower than fp16. ``"bf16-true"`` is checked as bf16.
+    ``"auto"`` asks :func:`~.doctor.recommend` about ``device`` (probed without the benchmark): bf16-mixed on a GPU
+    with native bf16 and on a CPU whose feature flags list native bf16 arithmetic, 16-mixed on older GPUs, 32-true on
+    any other CPU, where bf16 autocast makes training several times slower. A requested half dtype must really run
+    under autocast on ``device`` (tested with a tiny matmul), and bf16 on a GPU must be native: emulated bf16 on
+    pre-Ampere GPUs is far slower than fp16. ``"bf16-true"`` is checked as bf16.
 
     Examples:
-        >>> resolve_precision("auto", "cpu")
-        'bf16-mixed'
+        >>> resolve_precision("auto", "cpu") in ("bf16-mixed", "32-true")
+        True
     """
     if precision == "auto":
-        native = device != "cuda" or doctor.cuda_bf16_native(torch.cuda.current_device())
-        precision = "bf16-mixed" if native else "16-mixed"
+        precision = doctor.recommend(doctor.probe(device)).precision
     checked = "bf16-mixed" if precision in ("bf16-true", "fp8-mixed") else precision  # fp8-mixed: bf16 autocast
     if precision == "fp8-mixed" and device == "cuda":
         check_fp8_gpu(torch.cuda.current_device())
@@ -225,8 +229,12 @@ def example_input(task: Task, datamodule: pl.LightningDataModule) -> Any:
 
 # --------------------------------------------------------------------------------------------------- console
 @contextmanager
-def lightning_output(info: bool) -> Iterator[None]:
+def lightning_output(info: bool, summary: bool = False) -> Iterator[None]:
     """Lightning's info lines and tips (devices, why ``fit`` stopped, "does not have many workers") shown or not.
+
+    ``summary``: the model summary shows either way. Lightning logs it as one more info line, through its
+    ``ModelSummary`` module's logger: that logger is set to show info lines on its own, so ``--model-summary`` works
+    with or without ``--lightning-info``, as each console flag chooses its own output.
 
     Warnings stay visible: they may be the user's business. Not Lightning's ``PossibleUserWarning`` tips while its info
     lines are off (about data-loader workers, logging intervals, samplers: advice for code the user of this command
@@ -234,10 +242,14 @@ def lightning_output(info: bool) -> Iterator[None]:
     (:mod:`._noise`).
     """
     loggers = _lightning_loggers()
+    summary_logger = logging.getLogger(ModelSummary.__module__)
+    loggers.append(summary_logger)
     levels = [logger.level for logger in loggers]
     if not info:
         for logger in loggers:
             logger.setLevel(logging.WARNING)
+    if summary:
+        summary_logger.setLevel(logging.INFO)  # its own level wins over its parents' WARNING
     try:
         with warnings.catch_warnings():
             if not info:
@@ -266,14 +278,17 @@ def interruptible(trainer: pl.Trainer, call: Callable[[], _T]) -> _T:
 
     Lightning catches ``KeyboardInterrupt`` inside ``fit``/``validate``, tears down, ignores further Ctrl-C and calls
     ``sys.exit(1)``; a command then cannot tell an interrupt from a failure, nor print what was measured so far.
-    Here that exit becomes a ``KeyboardInterrupt`` again, with the default Ctrl-C handler restored.
+    Here that exit becomes a ``KeyboardInterrupt`` again, with the default Ctrl-C handler restored. A SIGTERM, which
+    Lightning turns into its ``SIGTERMException`` at the next step, arrives as :class:`~._checks.Terminated`.
     """
     try:
         return call()
-    except SystemExit:
+    except SystemExit as stop:
         if not trainer.interrupted:
             raise
         _restore_ctrl_c()
+        if isinstance(stop, SIGTERMException):
+            raise Terminated from None
         raise KeyboardInterrupt from None
 
 

@@ -52,7 +52,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._paths import write_new, written_as
 from lightning_amp_plus._wording import plural
-from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._checks import RunFailed, Terminated, UsageError
 from lightning_amp_plus.cli._configs import SETUPS, PrecisionSetup
 from lightning_amp_plus.cli._noise import without_lightning_noise
 from lightning_amp_plus.cli._runs import (
@@ -77,6 +77,7 @@ __all__ = [
     "RunSpec",
     "StepTimer",
     "format_table",
+    "loss_window",
     "memory_method",
     "run",
     "run_config",
@@ -493,10 +494,11 @@ def run(args: argparse.Namespace) -> list[ConfigResult]:
         for number, spec in enumerate(specs, 1):
             print(f"  [{number}/{len(specs)}] {spec.config}", flush=True)
             results.append(run_config_isolated(spec) if isolated else run_config(spec))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         if results:
             _report(args, results, specs[0], device, isolated)
-        raise KeyboardInterrupt(
+        kind = Terminated if isinstance(stop, Terminated) else KeyboardInterrupt  # the command names the signal
+        raise kind(
             f"after {len(results)} of {plural(len(specs), 'configuration')}"
             + ("; the table above holds those that finished" if results else "")
         ) from None
@@ -524,8 +526,8 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool, fp8: boo
         + (", CUDA synchronised at both ends" if device == "cuda" else "")
         + "; configurations run one after another, so other work on the machine skews the ratios",
         memory_method(device, isolated),
-        f"final train loss: mean of the last {_LOSS_WINDOW} steps; val acc: one validation after training; the same "
-        f"seed ({spec.seed}), initial weights and batches for every configuration",
+        f"final train loss: {loss_window(spec.steps)}; val acc: one validation after training; the same seed "
+        f"({spec.seed}), initial weights and batches for every configuration",
     ]
     if not has_base:
         notes.append("vs 32-true: not measured (32-true was not among --configs)")
@@ -543,6 +545,20 @@ def _footer(spec: RunSpec, device: str, isolated: bool, has_base: bool, fp8: boo
     return notes
 
 
+def loss_window(steps: int) -> str:
+    """What the final train loss of a run of ``steps`` steps averages, as the footer says it.
+
+    Examples:
+        >>> loss_window(16), loss_window(2), loss_window(1)
+        ('mean of the last 5 steps', 'mean of both steps', 'the loss of the one step')
+    """
+    if steps == 1:
+        return "the loss of the one step"
+    if steps == 2:
+        return "mean of both steps"
+    return f"mean of {'the last' if steps > _LOSS_WINDOW else 'all'} {min(steps, _LOSS_WINDOW)} steps"
+
+
 def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer: list[str], title: str) -> None:
     # Each at the name asked for or, where a file has that name, the next free numbered one: none is overwritten.
     if args.csv is not None:
@@ -557,6 +573,7 @@ def _write_outputs(args: argparse.Namespace, results: list[ConfigResult], footer
 def _worker(argv: list[str]) -> None:
     """``python -m lightning_amp_plus.cli.compare SPEC.json RESULT.json``: run one configuration, write its result."""
     spec_path, result_path = argv
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C stops it even if its parent inherited it ignored
     spec = RunSpec(**json.loads(Path(spec_path).read_text()))
     try:
         with without_lightning_noise():  # as in the command that started this worker

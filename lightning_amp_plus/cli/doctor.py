@@ -39,6 +39,7 @@ __all__ = [
     "format_report",
     "fp8_support",
     "matmul_tflops",
+    "probe",
     "recommend",
     "report_dict",
 ]
@@ -306,6 +307,45 @@ def _probe(
     return DeviceReport(kind, index, name, details, autocast, errors, tflops, sizes)
 
 
+def probe(device: str, benchmark: bool = False, cpuinfo: str | os.PathLike[str] = CPUINFO) -> DeviceReport:
+    """Probe one device (``"cpu"``, ``"cuda"`` for the current one, ``"cuda:N"``): what :func:`recommend` judges.
+
+    Without ``benchmark`` it takes two tiny autocast matmuls and no measurement: ``amp-plus train --precision auto``
+    asks :func:`recommend` about its device this way before it trains, and so runs what ``amp-plus doctor`` recommends
+    there (the flags decide on CPU, with or without the measurement).
+
+    Args:
+        device: the device to probe.
+        benchmark: measure matmul throughput (a few seconds on CPU).
+        cpuinfo: where the CPU's feature flags are read (:func:`cpu_flags`).
+
+    Examples:
+        >>> report = probe("cpu")
+        >>> report.label, report.autocast["bfloat16"], report.tflops["float32"]
+        ('cpu', True, None)
+    """
+    if device == "cpu":
+        flags = cpu_flags(cpuinfo)
+        cpu_details = {
+            "logical_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "vector_isa": torch.backends.cpu.get_cpu_capability(),
+            "bf16_native": cpu_bf16_native(flags),
+            "bf16_flags": [flag for flag in BF16_FLAGS if flags is not None and flag in flags],
+            "fp8": fp8_support("cpu"),
+        }
+        return _probe("cpu", None, cpu_name(), cpu_details, benchmark)
+    index = int(device.partition(":")[2] or torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(index)
+    details = {
+        "capability": f"{major}.{minor}",
+        "memory_gib": round(torch.cuda.get_device_properties(index).total_memory / 2**30, 1),
+        "bf16_native": cuda_bf16_native(index),
+        "fp8": fp8_support("cuda", f"{major}.{minor}"),
+    }
+    return _probe("cuda", index, torch.cuda.get_device_name(index), details, benchmark)
+
+
 def collect(benchmark: bool = True, cpuinfo: str | os.PathLike[str] = CPUINFO) -> list[DeviceReport]:
     """Probe the CPU and every CUDA device: names, features, autocast support, and (``benchmark``) matmul throughput.
 
@@ -317,26 +357,9 @@ def collect(benchmark: bool = True, cpuinfo: str | os.PathLike[str] = CPUINFO) -
         >>> [report.kind for report in collect(benchmark=False)][:1]
         ['cpu']
     """
-    flags = cpu_flags(cpuinfo)
-    cpu_details = {
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "vector_isa": torch.backends.cpu.get_cpu_capability(),
-        "bf16_native": cpu_bf16_native(flags),
-        "bf16_flags": [flag for flag in BF16_FLAGS if flags is not None and flag in flags],
-        "fp8": fp8_support("cpu"),
-    }
-    reports = [_probe("cpu", None, cpu_name(), cpu_details, benchmark)]
+    reports = [probe("cpu", benchmark, cpuinfo)]
     if torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            details = {
-                "capability": f"{props.major}.{props.minor}",
-                "memory_gib": round(props.total_memory / 2**30, 1),
-                "bf16_native": cuda_bf16_native(index),
-                "fp8": fp8_support("cuda", f"{props.major}.{props.minor}"),
-            }
-            reports.append(_probe("cuda", index, props.name, details, benchmark))
+        reports += [probe(f"cuda:{index}", benchmark) for index in range(torch.cuda.device_count())]
     return reports
 
 
@@ -450,8 +473,8 @@ def _recommend_cpu(report: DeviceReport) -> Recommendation:
         'Trainer(precision="32-true")',
         [
             f"this CPU ({isa}) has no native bf16 arithmetic ({source}): mixed precision here checks correctness "
-            "(`amp-plus train` uses bf16-mixed on CPU to show the plugin at work) but makes training slower; "
-            "speed-ups are a GPU matter. fp16 on CPU is slower still.",
+            "but makes training slower (`amp-plus train` runs 32-true here too; `--precision bf16-mixed` shows the "
+            "plugin at work); speed-ups are a GPU matter. fp16 on CPU is slower still.",
             no_master,
         ],
     )

@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_amp_plus._wording import plural
 from lightning_amp_plus.cli import _machine
-from lightning_amp_plus.cli._checks import RunFailed, UsageError
+from lightning_amp_plus.cli._checks import RunFailed, Terminated, UsageError
 from lightning_amp_plus.cli._resume import ResumePoint, RunRecord, read_resume_point, saved_step
 from lightning_amp_plus.cli._runs import (
     build_model,
@@ -58,9 +58,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
 
     Ctrl-C stops cleanly: the monitor's summary so far is printed, the chart written, and ``KeyboardInterrupt``
     raised again (saying where it stopped, and with ``--ckpt-dir`` which checkpoint ``--resume`` continues from) for
-    the command to exit with code 130. A stop with a diagnosis (``FloatingPointError``: steps that keep overflowing)
-    reports the same way and raises ``RunFailed``. With ``--resume``, training continues from ``--ckpt-dir``'s
-    ``last.ckpt``, checked first (:mod:`._resume`). The CPU threads it chooses are torch's again on return.
+    the command to exit with code 130. SIGTERM stops it the same way at the next step, as
+    :class:`~._checks.Terminated` (exit code 143). A stop with a diagnosis (``FloatingPointError``: steps that keep
+    overflowing) reports the same way and raises ``RunFailed``. With ``--resume``, training continues from
+    ``--ckpt-dir``'s ``last.ckpt``, checked first (:mod:`._resume`). The CPU threads it chooses are torch's again on
+    return.
     """
     threads_before = torch.get_num_threads()
     try:
@@ -146,7 +148,8 @@ def _fit(
     last_val = _LastValidation()
     start = time.perf_counter()
     ckpt_path = None if resume is None else str(resume.path)
-    with lightning_output(args.lightning_info), warnings.catch_warnings():  # the Trainer's constructor prints too
+    # The Trainer's constructor prints too.
+    with lightning_output(args.lightning_info, args.model_summary), warnings.catch_warnings():
         # The folder was checked before: empty for a new run, the run's own for --resume.
         warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
         trainer = _trainer(args, settings, device, amp, [*monitors, last_val, record], resume)
@@ -277,9 +280,10 @@ def _stopped(stop: BaseException, trainer: pl.Trainer, during: str, saved: str =
             else ""
         )
         return RunFailed(f"{stop}{flag}")
+    kind = Terminated if isinstance(stop, Terminated) else KeyboardInterrupt  # the command names the signal
     if during == "training":
-        return KeyboardInterrupt(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation{saved}")
-    return KeyboardInterrupt("during the final validation (training had finished; its summary is above)")
+        return kind(f"after {plural(trainer.global_step, 'optimizer step')}; no final validation{saved}")
+    return kind("during the final validation (training had finished; its summary is above)")
 
 
 def _saved(args: argparse.Namespace) -> str:
@@ -326,7 +330,7 @@ def _start_line(
     threads: str = "",
     fp8: str = "",
 ) -> str:
-    master = _weights_note(precision, amp.master_weights, amp.compensation)
+    master = _weights_note(precision, amp.master_weights, amp.compensation) + _auto_note(args, precision, device)
     if precision == "fp8-mixed":
         master += f" ({amp.fp8_recipe or 'tensorwise'}{'; ' + fp8 if fp8 else ''})"
     if amp.spike_guard is not None:
@@ -343,6 +347,19 @@ def _start_line(
         f"amp-plus train {task_label(args, 'train')}: {precision}{master} on {device}{devices}, {args.data} data, "
         f"{length}{', ' + threads if threads else ''} (Ctrl-C stops cleanly with the summary so far)"
     )
+
+
+def _auto_note(args: argparse.Namespace, precision: str, device: str) -> str:
+    """Why ``--precision auto`` runs no plugin, for the first line: the command is there to show the plugin at work."""
+    if args.precision != "auto" or precision != "32-true":
+        return ""
+    if device == "cpu":
+        return (
+            " (auto, as `amp-plus doctor` recommends here: this CPU shows no native bf16 arithmetic, avx512_bf16 or "
+            "amx_bf16, and bf16 autocast would make training several times slower; --precision bf16-mixed runs "
+            "MixedPrecisionPlugin anyway)"
+        )
+    return " (auto, as `amp-plus doctor` recommends here: autocast runs neither fp16 nor bf16 on this GPU)"
 
 
 def fp8_note(model: nn.Module) -> str:

@@ -379,23 +379,37 @@ def _draw_spike_guard(axis: Any, merged: list[Batch]) -> None:
 
 
 def _draw_fp8(axis: Any, record: Any) -> None:
-    """On the FP8 panel: the warning threshold, the worst point's layer and cast, and the layers that fell back."""
+    """On the FP8 panel: the warning threshold, the worst point's layer and cast, and the layers that fell back.
+
+    The labels stay inside the panel, clear of the x axis's tick labels and of each other: the worst point's label
+    sits above the point (written below it, a low point's label ran into the tick labels), the fallbacks' along the
+    panel's top, in a band the y limit keeps free; each runs toward the middle of the panel, so none leaves it.
+    """
     axis.axhline(record.warn_pct, color="tab:red", linestyle="--", linewidth=0.8, label="fp8_flush_warn_pct")
     top = max(record.checks, key=lambda point: point.flushed_pct)
+    steps = [point.step for point in record.checks] + [step for step, _ in record.fell_back]
+    middle = (min(steps) + max(steps)) / 2
+
+    def inward(step: int) -> dict[str, Any]:  # the text runs away from the nearer edge of the panel
+        return {"ha": "left", "dx": 3} if step <= middle else {"ha": "right", "dx": -3}
+
     if top.flushed_pct > 0:
+        side = inward(top.step)
         axis.annotate(
-            f"`{top.layer}` {top.cast}", (top.step, top.flushed_pct), xytext=(4, -10), textcoords="offset points",
-            fontsize=7,
+            f"`{top.layer}` {top.cast}", (top.step, top.flushed_pct), xytext=(side["dx"], 5),
+            textcoords="offset points", ha=side["ha"], va="bottom", fontsize=7,
         )  # fmt: skip
     for number, (step, layer) in enumerate(record.fell_back):
         axis.axvline(
             step, color="tab:purple", linestyle=":", label="FP8 layer fell back to bf16" if not number else None
         )
+        side = inward(step)
         axis.annotate(
-            layer, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10), textcoords="offset points",
-            fontsize=7, color="tab:purple",
+            layer, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(side["dx"], -3),
+            textcoords="offset points", ha=side["ha"], va="top", fontsize=7, color="tab:purple",
         )  # fmt: skip
-    axis.set_ylim(0, max(axis.get_ylim()[1], record.warn_pct * 1.3))
+    # Room above the highest point for its label, and above that for the fallbacks' labels.
+    axis.set_ylim(0, max(axis.get_ylim()[1], record.warn_pct * 1.3, top.flushed_pct * 1.5))
 
 
 def _has_isolated_points(drawn: list[tuple[int, float]], xs: list[int]) -> bool:

@@ -40,7 +40,8 @@ def test_a_compensation_or_headroom_that_cannot_apply_is_refused_first_with_exit
 
 
 def test_train_with_headroom_summarises_the_tightest_layer() -> None:
-    done = amp_plus("train", "cnn", *TINY, "--headroom", "2", "--max-steps", "4", timeout=180)
+    done = amp_plus("train", "cnn", *TINY, "--precision", "bf16-mixed", "--headroom", "2", "--max-steps", "4",
+                    timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "headroom at step 3: the tightest layer is `" in done.stdout
 

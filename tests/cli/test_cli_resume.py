@@ -222,3 +222,14 @@ def test_after_ctrl_c_the_message_gives_the_step_the_checkpoint_file_holds(tmp_p
     last.write_bytes(b"cut short")
     said = train._saved(argparse.Namespace(ckpt_dir=str(tmp_path)))
     assert said == f". {last} could not be read as a checkpoint: remove it to start over in {tmp_path}"
+
+
+def test_resumes_help_says_what_the_checkpoint_restores_and_that_the_flags_are_not_among_it() -> None:
+    # It read "(the other flags as in that run)", as if --resume restored them: it restores the run's state and checks
+    # the flags given again against the checkpoint's record.
+    from lightning_amp_plus.cli import build_parser
+
+    (resume,) = [a for a in build_parser().commands["train"]._actions if "--resume" in a.option_strings]
+    assert resume.help is not None
+    assert "Restored from the checkpoint: the weights, the optimizer and LR scheduler, the step count" in resume.help
+    assert "Not restored: the flags (give that run's again" in resume.help

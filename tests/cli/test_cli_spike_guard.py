@@ -22,7 +22,8 @@ def test_the_settings_give_the_plugin_a_guard_with_that_action_and_the_defaults(
 
 
 def test_train_with_the_guard_says_so_on_its_first_line_and_in_its_result(capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["train", *TINY_CNN, "--spike-guard", "clip", "--max-steps", "2"])
+    args = build_parser().parse_args(["train", *TINY_CNN, "--precision", "bf16-mixed", "--spike-guard", "clip",
+                                      "--max-steps", "2"])  # fmt: skip
     args.progress_bar = args.model_summary = args.lightning_info = False
     result = train(args)
     assert result["spike_guard"] == "clip"

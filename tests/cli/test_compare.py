@@ -71,7 +71,10 @@ def test_compare_without_32_true_leaves_the_ratio_blank(capsys: pytest.CaptureFi
             "--in-process", "--configs", "ours-bf16-mixed-master"]  # fmt: skip
     results = compare.run(cli.build_parser().parse_args(argv))
     assert [(r.config, r.ratio, r.steps) for r in results] == [("ours-bf16-mixed-master", None, 2)]
-    assert "vs 32-true: not measured" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "vs 32-true: not measured" in out
+    # The final train loss averages the steps there were: "mean of the last 5 steps" read wrong for 2.
+    assert "final train loss: mean of both steps;" in out and "last 5" not in out
 
 
 def test_a_configuration_runs_in_its_own_process_and_reports_its_memory(monkeypatch: pytest.MonkeyPatch) -> None:

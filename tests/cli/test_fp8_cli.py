@@ -4,14 +4,15 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import usage_error
+from helpers import native_bf16_cpu, usage_error
 from processes import amp_plus
 
-from lightning_amp_plus.cli import AmpSettings, build_parser, main
+from lightning_amp_plus.cli import AmpSettings, build_parser, main, without_lightning_noise
 from lightning_amp_plus.cli._settings import FP8_RECIPES
 from lightning_amp_plus.cli.doctor import fp8_support
 from lightning_amp_plus.cli.train import fp8_note, train
@@ -78,6 +79,8 @@ def test_fp8_flags_that_cannot_apply_are_refused_first(
     else:  # auto is resolved on the machine, in train, still before any work
         import lightning.pytorch as pl
 
+        native_bf16_cpu(monkeypatch)  # auto: bf16-mixed there
+
         monkeypatch.setattr(pl.Trainer, "fit", lambda *a, **k: pytest.fail("training started before the refusal"))
     assert error in usage_error(["train", *TINY_CNN, *argv], capsys)
 
@@ -139,6 +142,30 @@ def test_doctor_says_how_each_device_runs_fp8(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert "fp8-mixed: emulated (torch._scaled_mm on CPU" in out
     assert ("fp8-mixed needs torchao" in out) == (importlib.util.find_spec("torchao") is None)
+
+
+def test_the_commands_silence_torchs_log_line_on_importing_torchao_only_while_they_run(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # torch 2.14 logs it when torchao 0.18 is imported, as a line of its own past the command's wording.
+    logger = logging.getLogger("torch.utils._pytree")
+    line = (
+        "%s is an Enum subclass and is now natively supported by torch.compile as an opaque value type. Calling "
+        "register_constant() on Enum subclasses is deprecated and will be an error in a future release."
+    )
+    with without_lightning_noise():
+        logger.warning(line, "<enum 'KernelPreference'>")
+    assert "register_constant" not in caplog.text
+    logger.warning(line, "<enum 'KernelPreference'>")  # a program's own use of torch keeps its logging
+    assert "register_constant" in caplog.text
+
+
+@pytest.mark.integration
+def test_an_fp8_run_prints_no_torch_log_line_from_importing_torchao() -> None:
+    needs_torchao()
+    done = amp_plus("train", *TINY_CNN, *FP8, "--max-steps", "1", timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "register_constant" not in done.stderr and "_pytree.py" not in done.stderr, done.stderr
 
 
 @pytest.mark.integration

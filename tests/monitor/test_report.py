@@ -345,3 +345,33 @@ def test_a_chart_path_without_matplotlib_says_how_to_install_it(monkeypatch: pyt
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     with pytest.raises(ImportError, match=re.escape("pip install 'lightning-amp-plus[report]'")):
         check_chart_path("amp.png")
+
+
+@pytest.mark.parametrize("worst", [0.02, 12.4], ids=["low-worst", "high-worst"])
+@pytest.mark.parametrize("where", [0, 8, 18], ids=["left", "middle", "right"])
+def test_the_fp8_panels_labels_stay_inside_it_clear_of_the_tick_labels_and_of_each_other(
+    worst: float, where: int
+) -> None:
+    # The worst point's layer was written 10 points below the point: a low worst point's label ran into the x axis's
+    # tick labels.
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from lightning_amp_plus.monitor.fp8 import FP8Point, FP8Record
+
+    layer = "gpt.transformer.h.0.mlp.proj"
+    checks = [FP8Point(step, layer, "input", worst if step == where else 0.0) for step in range(0, 20, 2)]
+    record = FP8Record(warn_pct=1.0, layers=9, checks=checks, fell_back=[(where, layer)])
+    figure = _run_figure(AmpHistory([StepEntry(s, None, False, 1.0, None) for s in range(20)], fp8=record))
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    panel = figure.axes[-1]
+    assert panel.get_ylabel().startswith("FP8")
+    labels = [text.get_window_extent(renderer) for text in panel.texts]
+    assert len(labels) == 2  # the worst point's layer and cast, the fallback's layer
+    inside = panel.get_window_extent(renderer)
+    ticks = [tick.get_window_extent(renderer) for tick in panel.get_xticklabels() if tick.get_text()]
+    for box in labels:
+        assert inside.x0 <= box.x0 and box.x1 <= inside.x1 and inside.y0 <= box.y0 and box.y1 <= inside.y1, box
+        assert not any(box.overlaps(tick) for tick in ticks)
+    assert not labels[0].overlaps(labels[1])

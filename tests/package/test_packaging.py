@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
+import re
 import sys
 
 import processes
@@ -29,6 +32,37 @@ def test_every_public_name_has_a_home_to_load_from() -> None:
     assert sorted(homes) == sorted(lightning_amp_plus.__all__)
     for name in homes:
         assert getattr(lightning_amp_plus, name).__name__ == name
+
+
+def _distribution(requirement: str) -> str:
+    """The normalised distribution name a requirement names: ``typing_extensions>=4.4`` -> ``typing-extensions``."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group()).lower()  # type: ignore[union-attr]
+
+
+def test_every_third_party_package_the_code_imports_is_declared_as_a_dependency_or_an_extra() -> None:
+    # `typing_extensions` (for `override`) and `lightning_utilities` were imported at load time but not declared: they
+    # came only as torch's and Lightning's own dependencies, which may drop them.
+    declared = {_distribution(dep) for dep in PYPROJECT["project"]["dependencies"]}
+    extras = {_distribution(dep) for deps in PYPROJECT["project"]["optional-dependencies"].values() for dep in deps}
+    owners = importlib.metadata.packages_distributions()
+    at_load, lazily = set(), set()
+    for path in (REPO / "lightning_amp_plus").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.partition(".")[0]
+                if top in sys.stdlib_module_names or top == "lightning_amp_plus":
+                    continue
+                distribution = _distribution(owners.get(top, [top])[0])
+                (at_load if node in tree.body else lazily).add(distribution)
+    assert at_load - declared == set()  # what `import lightning_amp_plus...` needs
+    assert lazily - declared - extras == set()  # what a feature needs on first use: an extra names it
 
 
 def test_the_wheel_ships_the_pep_561_marker() -> None:

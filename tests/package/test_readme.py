@@ -8,6 +8,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 from processes import REPO
 
 README = (REPO / "README.md").read_text()
@@ -129,3 +130,31 @@ def test_the_readme_and_the_docs_home_give_compensated_bf16s_bytes_per_parameter
                      r" \(stochastic rounding\), against (\d+) for FP32 weights; gradients add", home)  # fmt: skip
     assert said is not None
     assert tuple(int(n) for n in said.groups()) == readme == (10, 8, 12)
+
+
+def test_the_readme_says_what_gradscaler_does_when_gradients_keep_overflowing() -> None:
+    # Measured here with torch's own GradScaler. From its default 2**16, halved per overflow, the scale reaches the
+    # smallest float32 (2**-149) at the 165th overflow in a row and 0 at the 166th. While the gradients stay inf, every
+    # step is skipped and the weights stay finite; the first finite gradient after that is multiplied by 1/0 = inf
+    # after GradScaler's check (which looks at the scaled gradient, 0): that step is taken, and the weights are NaN.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    zero_after, finite_while_inf = None, True
+    for step in range(1, 202):
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        if step <= 200:  # a gradient that is always inf, then a finite one
+            model.weight.grad.fill_(float("inf"))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        if zero_after is None and scaler.get_scale() == 0.0:
+            zero_after = step
+        if step <= 200:
+            finite_while_inf &= bool(torch.isfinite(model.weight).all())
+    assert zero_after == 166 and finite_while_inf
+    assert torch.isnan(model.weight).all()  # step 201, the first finite gradient, was taken
+    row = next(line for line in README.splitlines() if line.startswith("| Scale bounds |"))
+    assert "166 overflows in a row reach scale 0" in row and "NaN weights" in row, row

@@ -138,3 +138,30 @@ def test_every_image_and_internal_link_names_a_file_of_the_site(site: Path) -> N
     assert broken == {}
     images = [image for _, page, _ in pages(site).values() for image in page.images]
     assert any(image.endswith("headroom_chart.png") for image in images)  # the pages' own images were looked at
+
+
+def test_no_guide_page_lists_api_members_in_its_table_of_contents(site: Path) -> None:
+    # fp8.md's mkdocstrings blocks put about 70 internal classes, functions and attributes in its table of contents,
+    # below the guide's 13 sections: the API is documented under api/, where every page lists its members.
+    flooded = {}
+    for name, (_, _, html) in pages(site).items():
+        if name.startswith("api/") or "md-sidebar--secondary" not in html:
+            continue
+        sidebar = html.split("md-sidebar--secondary", 1)[1].split("md-content", 1)[0]
+        members = re.findall(r'href="#(lightning_amp_plus\.[^"]+)"', sidebar)
+        if members:
+            flooded[name] = len(members)
+    assert flooded == {}
+    assert "#lightning_amp_plus.weights.fp8.convert" in pages(site)["api/fp8/index.html"][2]  # documented there
+
+
+def test_a_name_in_a_tables_first_column_is_not_broken_mid_word(site: Path) -> None:
+    # Material lets inline code break between any two letters: monitor.md's option names read `check_inter` / `val`
+    # at 1300 px. The site's stylesheet lets code in a table's first column break only where text does.
+    _, _, html = pages(site)["monitor/index.html"]
+    assert 'href="../stylesheets/extra.css"' in html
+    css = re.sub(r"/\*.*?\*/", "", (site / "stylesheets" / "extra.css").read_text(), flags=re.DOTALL)
+    rule = re.search(r"\.md-typeset table:not\(\[class\]\) td:first-child code\s*\{([^}]*)\}", css)
+    assert rule is not None
+    assert "word-break: normal" in rule.group(1) and "overflow-wrap: normal" in rule.group(1)
+    assert "<td><code>check_interval</code></td>" in html
