@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lightning_amp_plus._checks import check_int
 from lightning_amp_plus._wording import number
+from lightning_amp_plus.plugins.ignored import Spelling, ignored_problem
 
 if TYPE_CHECKING:
     from lightning.pytorch.callbacks import Callback
@@ -85,24 +86,6 @@ _FP8_FIELDS = ("fp8_recipe", "fp8_check_interval", "fp8_fallback")
 FP8_INSTALL = 'pip install "lightning-amp-plus[fp8]"'
 
 
-class _Spelling:
-    """How a message names a setting: as an ``AmpSettings`` argument, or as an ``amp-plus`` flag."""
-
-    def __init__(self, flags: bool, auto: str | None = None) -> None:
-        self.flags = flags
-        self.auto = auto  # what --precision auto resolved to, when it did
-
-    def setting(self, name: str) -> str:
-        return "--" + name.replace("_", "-") if self.flags else name
-
-    def precision(self, value: str) -> str:
-        if not self.flags:
-            return f"precision={value!r}"
-        if self.auto is not None:
-            return f"--precision auto ({value} here)"
-        return f"--precision {value}"
-
-
 def amp_problem(
     precision: str,
     *,
@@ -132,35 +115,20 @@ def amp_problem(
         >>> print(amp_problem("bf16-mixed", scaler_settings=("init_scale",), flags=True))
         --init-scale configures the fp16 loss scaler, which --precision bf16-mixed does not use (bf16 has fp32's range and needs no loss scaling). Use --precision 16-mixed, or drop --init-scale.
     """  # noqa: E501
-    spell = _Spelling(flags, precision if auto else None)
-    mixed = f"{_Spelling(flags).precision('16-mixed')} or {'bf16-mixed' if flags else repr('bf16-mixed')}"
+    spell = Spelling(flags, precision if auto else None)
     if precision not in PRECISIONS:
         return f"{spell.precision(precision)} is not one of {', '.join(PRECISIONS)}."
-    if master_weights and precision in ("32-true", "bf16-true"):
-        flag = spell.setting("master_weights") + ("" if flags else "=True")
-        return (
-            f"{flag} needs {mixed}, not {spell.precision(precision)}: it keeps FP32 master weights for half-precision "
-            f"compute. Choose a mixed precision, or drop {spell.setting('master_weights')}."
-        )
-    if compensation and precision != "bf16-true":
-        return (
-            f"{spell.setting('compensation')} compensates bf16 weights, which {spell.precision(precision)} does not "
-            f"hold. Use {_Spelling(flags).precision('bf16-true')}, or drop {spell.setting('compensation')}."
-        )
+    given = [name for name, asked in (("master_weights", master_weights), ("compensation", compensation)) if asked]
+    problem = ignored_problem(precision, [*fp8_settings, *given], spell)  # the plugins' own rules
+    if problem is not None:
+        return problem
     if scaler_settings and precision != "16-mixed":
         names = " and ".join(spell.setting(name) for name in scaler_settings)
         verb, them = ("configures", "it") if len(scaler_settings) == 1 else ("configure", "them")
         why = "bf16 has fp32's range and needs no loss scaling" if "bf16" in precision else "fp32 needs none"
         return (
             f"{names} {verb} the fp16 loss scaler, which {spell.precision(precision)} does not use ({why}). Use "
-            f"{_Spelling(flags).precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
-        )
-    if fp8_settings and precision != "fp8-mixed":
-        names = " and ".join(spell.setting(name) for name in fp8_settings)
-        verb = "configures" if len(fp8_settings) == 1 else "configure"
-        return (
-            f"{names} {verb} FP8 training, which {spell.precision(precision)} does not do. Use "
-            f"{_Spelling(flags).precision('fp8-mixed')}, or drop {names}."
+            f"{spell.plain().precision('16-mixed')}, or drop {names if len(scaler_settings) == 1 else them}."
         )
     if spike_guard and precision == "32-true":
         return (
@@ -411,7 +379,7 @@ def cli_amp_problem(args: argparse.Namespace, precision: str, auto: bool = False
     Examples:
         >>> from lightning_amp_plus.cli import build_parser
         >>> print(cli_amp_problem(build_parser().parse_args(["train", "--master-weights"]), "32-true", auto=True))
-        --master-weights needs --precision 16-mixed or bf16-mixed, not --precision auto (32-true here): it keeps FP32 master weights for half-precision compute. Choose a mixed precision, or drop --master-weights.
+        --master-weights is for half-precision compute over FP32 weights; --precision auto (32-true here) keeps the weights in FP32. Use --precision bf16-mixed with --master-weights, or drop --master-weights.
     """  # noqa: E501
     return amp_problem(
         precision,

@@ -29,6 +29,7 @@ from typing import Any, Literal, TypedDict
 from torch import nn
 
 from lightning_amp_plus._checks import check_bool, check_int, show
+from lightning_amp_plus.plugins.ignored import Spelling, ignored_problem
 from lightning_amp_plus.step.spikes import SpikeGuard
 from lightning_amp_plus.weights.compensated import Method
 from lightning_amp_plus.weights.fp8.convert import Float8Config, Modules, Recipe
@@ -147,7 +148,7 @@ class Settings:
             hint = " (skipped steps in a row before training stops with a diagnosis), or None to never stop"
             limit = check_int(owner, "max_consecutive_skips", limit, minimum=1, hint=hint)
         keep_fp32 = _module_types(owner, "keep_fp32", get("keep_fp32"))
-        compensation = _compensation(call, get("compensation", "auto"), "compensation" in options)
+        compensation = _compensation(call, get("compensation", "auto"))
         seed = check_int(owner, "rounding_seed", get("rounding_seed", 0), 0)
         guard = get("spike_guard")
         if guard is not None and not isinstance(guard, SpikeGuard):
@@ -157,13 +158,6 @@ class Settings:
                 "None."
             )
         call.refuse_ignored(options, skip_nonfinite, compensation)
-        if precision == "bf16-true":
-            for name in ("master_weights", "keep_fp32"):
-                if get(name):
-                    raise ValueError(
-                        f"{call.show(name, options[name])}: bf16-true keeps the weights in bf16 (compensated; that is "
-                        f"its memory saving). For FP32 weights use 'bf16-mixed' with {name}; or drop {name}."
-                    )
         fp8 = _fp8_options(owner, options) if precision == FP8 else {}
         return cls(
             precision=precision,
@@ -194,13 +188,20 @@ class _Call:
     def refuse_ignored(self, options: Mapping[str, object], skip_nonfinite: bool, compensation: str | None) -> None:
         """Refuse each option given that this precision (and these settings) would ignore."""
         precision = self.precision
-        fp8_given = [name for name in PluginOptions.__annotations__ if name.startswith("fp8_") and name in options]
-        if fp8_given and precision != FP8:
-            shown = ", ".join(f"{name}={show(options[name])}" for name in fp8_given)
-            raise ValueError(
-                f"`{self.owner}({precision!r}, {shown})`: the fp8_* options configure precision='{FP8}', which "
-                f"{precision!r} is not. Use '{FP8}', or drop {', '.join(fp8_given)}."
+        # Given with a meaning: a compensation other than "auto"/None, FP32 masters or modules asked for.
+        meant = [
+            name
+            for name in PluginOptions.__annotations__
+            if (
+                name in options
+                and (name.startswith("fp8_") or (name == "compensation" and options[name] not in ("auto", None)))
             )
+            or (name in ("master_weights", "keep_fp32") and options.get(name))
+        ]
+        problem = ignored_problem(precision, meant, Spelling())
+        if problem is not None:
+            shown = ", ".join(f"{name}={show(options[name])}" for name in meant)
+            raise ValueError(f"`{self.owner}({precision!r}, {shown})`: {problem}")
         if "rounding_seed" in options and compensation != "stochastic":
             raise ValueError(
                 f"{self.show('rounding_seed', options['rounding_seed'])}: the seed drives stochastic rounding, which "
@@ -252,7 +253,7 @@ def _device(owner: str, device: object) -> str | None:
     return device.split(":")[0]
 
 
-def _compensation(call: _Call, compensation: object, given: bool) -> Method | None:
+def _compensation(call: _Call, compensation: object) -> Method | None:
     """The compensation to use: ``"auto"`` is Kahan for bf16-true and none otherwise; another for mixed is refused."""
     if compensation not in ("auto", "kahan", "stochastic", None):
         raise ValueError(
@@ -260,12 +261,7 @@ def _compensation(call: _Call, compensation: object, given: bool) -> Method | No
             "bf16-true, which loses updates smaller than half a bf16 spacing) or 'auto' (Kahan for bf16-true)."
         )
     if call.precision != "bf16-true":
-        if given and compensation not in ("auto", None):
-            raise ValueError(
-                f"{call.show('compensation', compensation)}: compensation applies to bf16 weights, "
-                f"precision='bf16-true'. {call.precision!r} keeps FP32 weights, which need none: drop compensation."
-            )
-        return None
+        return None  # one given with a meaning is refused with the other ignored options (Settings.checked)
     return "kahan" if compensation == "auto" else compensation  # type: ignore[return-value]
 
 

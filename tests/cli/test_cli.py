@@ -225,7 +225,7 @@ def test_the_init_scale_range_the_parser_checks_is_the_scalers_default_range() -
 @pytest.mark.parametrize(
     ("settings", "fragment"),
     [
-        ({"precision": "32-true", "master_weights": True}, "master_weights=True needs precision='16-mixed' or"),
+        ({"precision": "32-true", "master_weights": True}, "master_weights is for half-precision compute over FP32"),
         ({"precision": "bf16-mixed", "hysteresis": 2}, "hysteresis configures the fp16 loss scaler"),
         ({"precision": "32-true", "max_consecutive_skips": 3}, "precision='32-true' skips none"),
         (
@@ -248,7 +248,8 @@ def test_amp_settings_refuse_impossible_combinations(settings: dict[str, object]
     ("argv", "fragment"),
     [
         (["train", "--master-weights", "--precision", "32-true"],
-         "--master-weights needs --precision 16-mixed or bf16-mixed, not --precision 32-true"),
+         "--master-weights is for half-precision compute over FP32 weights; --precision 32-true keeps the weights in "
+         "FP32. Use --precision bf16-mixed with --master-weights, or drop --master-weights."),
         (["train", "--init-scale", "1024", "--precision", "bf16-mixed"],
          "--init-scale configures the fp16 loss scaler, which --precision bf16-mixed does not use"),
         (["train", "--precision", "bf16-mixed", "--init-scale", "4", "--hysteresis", "2"],

@@ -25,10 +25,11 @@ def test_train_bf16_true_says_how_its_bf16_weights_are_compensated(method: list[
     ("argv", "error"),
     [
         (["--precision", "bf16-mixed", "--compensation", "kahan"],
-         "--compensation compensates bf16 weights, which --precision bf16-mixed does not hold. Use --precision "
-         "bf16-true, or drop --compensation."),
+         "--compensation compensates bf16 weights, which --precision bf16-mixed does not hold (its weights are FP32). "
+         "Use --precision bf16-true, or drop --compensation."),
         (["--precision", "bf16-true", "--master-weights"],
-         "--master-weights needs --precision 16-mixed or bf16-mixed, not --precision bf16-true"),
+         "--master-weights is for half-precision compute over FP32 weights; --precision bf16-true keeps the weights in "
+         "bf16"),
         (["--precision", "bf16-true", "--compensation", "fp32"], "invalid choice: 'fp32'"),
         (["--headroom", "-1"], "--headroom"),
     ],

@@ -281,8 +281,8 @@ def bad_options() -> list[tuple[dict[str, Any], type[Exception], str]]:
         (
             {"precision": "bf16-mixed", "fp8_recipe": "rowwise"},
             ValueError,
-            r"`{name}\('bf16-mixed', fp8_recipe='rowwise'\)`: the fp8_\* options configure precision='fp8-mixed'.*"
-            r"drop fp8_recipe",
+            r"`{name}\('bf16-mixed', fp8_recipe='rowwise'\)`: fp8_recipe configures FP8 training, which "
+            r"precision='bf16-mixed' does not do. Use precision='fp8-mixed', or drop fp8_recipe.",
         ),
         (
             {"precision": "16-mixed", "fp8_fallback": None, "fp8_check_interval": 10},
