@@ -25,7 +25,9 @@ Examples:
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -67,10 +69,9 @@ class PendingReads:
         if slot >= _SLOTS:  # past the buffer (a caller that never updates): read the slow way, now
             step._resolve(values.tolist())
             return
-        accelerator = values.device.type != "cpu"
-        self._host_buffer(pinned=accelerator)[slot].copy_(values, non_blocking=accelerator)
-        event = _event_after_copy(values.device) if accelerator else None
-        self._unread.append((step, slot, event))
+        pinned, arrival = _transfer(values.device)
+        self._host_buffer(pinned)[slot].copy_(values, non_blocking=pinned)
+        self._unread.append((step, slot, None if arrival is None else arrival()))
 
     def read_ready(self) -> None:
         """Read the steps whose values have arrived in host memory, waiting for nothing (no device sync)."""
@@ -85,11 +86,12 @@ class PendingReads:
 
     def read(self) -> None:
         """Read every unread step's values: one wait for the newest copy (a device sync), none on the CPU."""
-        if self._unread:
-            newest = self._unread[-1][2]
-            if newest is not None:
-                newest.synchronize()  # copies complete in order on the stream: the newest done means all are
-            self.read_ready()
+        # Newest first: copies complete in order on a stream, so once the newest is in, the others on its stream are
+        # too (one wait); a copy on another device's stream is waited for on its own.
+        for _, _, event in reversed(self._unread):
+            if event is not None and not event.query():
+                event.synchronize()
+        self.read_ready()
 
     def take(self) -> list[Unread]:
         """The steps not counted yet, read, oldest first; forgotten here (the caller counts them)."""
@@ -97,7 +99,7 @@ class PendingReads:
         steps, self.entries = self.entries, []
         return steps
 
-    def _host_buffer(self, pinned: bool) -> Tensor:
+    def _host_buffer(self, pinned: bool) -> Tensor:  # made at the first step, for its device
         if self._buffer is None:
             # Pinned for an accelerator's values, so that their copies are asynchronous; plain memory for the CPU's.
             self._buffer = torch.full((_SLOTS, WIDTH), math.nan, dtype=torch.float32, pin_memory=pinned)
@@ -118,6 +120,17 @@ class PendingReads:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__()  # type: ignore[misc]
         self.entries = state["entries"]  # type: ignore[assignment]
+
+
+def _transfer(device: torch.device) -> tuple[bool, Callable[[], torch.Event] | None]:
+    """How values on ``device`` reach host memory: pinned, and an event marking their arrival, or a plain copy.
+
+    From an accelerator the copy goes into pinned memory without a wait; from the CPU it is a plain copy. The CPU
+    suite runs the accelerator's way with a stand-in event (``tests/step/test_pending.py``).
+    """
+    if device.type == "cpu":
+        return False, None
+    return True, functools.partial(_event_after_copy, device)
 
 
 def _event_after_copy(device: torch.device) -> torch.Event:
