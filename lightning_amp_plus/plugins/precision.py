@@ -19,7 +19,6 @@ gradients carry.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -630,32 +629,48 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        closure = functools.partial(self._run_closure, optimizer, model, closure)
         if not self.engine.check and self.compensators is None:
-            # Nothing to check or compensate: the optimizer runs the closure, as under Lightning's plugin (LBFGS
-            # evaluates it several times; tests/weights/test_master.py trains one).
-            output = self._step(optimizer, closure=closure, **kwargs)
-        elif closure() is None and model.automatic_optimization:
-            self.engine.discard(optimizer)  # training_step returned None: no backward ran, nothing is stepped
+            return self._step_unchecked(optimizer, model, closure, **kwargs)
+        if self.settings.master_weights:
+            self._refuse_half_masters(optimizer, model)  # a half tensor written into a master since the last step
+        closure_result = closure()  # forward under autocast, backward of the scaled loss
+        if self.settings.master_weights:
+            self._refuse_half_masters(optimizer, model)  # ...or during this step (training_step, backward hooks)
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: no backward ran. Hooks run (as Lightning's); nothing is stepped.
+            self._after_closure(model, optimizer)
+            self.engine.discard(optimizer)
             return None
-        else:
-            output = self._step(optimizer, **kwargs)
+        if self._read_before_step:
+            self.engine.unscale(optimizer)  # the hooks and the clipping see unscaled, checked gradients
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        output = self._step(optimizer, **kwargs)
         if model.automatic_optimization:  # one optimizer per batch: its iteration ends with its step (under manual
             self._end_iteration()  # optimization, with the batch: train_step_context)
         return output
 
-    def _run_closure(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any]) -> Any:
-        """Forward under autocast and backward of the scaled loss; then the hooks and the clipping, as Lightning's."""
-        if self.settings.master_weights:
-            self._refuse_half_masters(optimizer, model)  # a half tensor written into a master since the last step
-        closure_result = closure()
-        if self.settings.master_weights:
-            self._refuse_half_masters(optimizer, model)  # ...or during this step (training_step, backward hooks)
-        backward_ran = closure_result is not None or not model.automatic_optimization  # manual: the user's backward
-        if self._read_before_step and backward_ran:
-            self.engine.unscale(optimizer)  # the hooks and the clipping see unscaled, checked gradients
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping (run on None too)
-        return closure_result
+    def _step_unchecked(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Nothing to check or compensate: the optimizer runs the closure, as under Lightning's plugin.
+
+        LBFGS evaluates it several times (tests/weights/test_master.py trains one); the hooks and the clipping follow
+        each evaluation, as Lightning's ``_wrap_closure`` has them.
+        """
+
+        def closure_with_hooks() -> Any:
+            if self.settings.master_weights:
+                self._refuse_half_masters(optimizer, model)
+            closure_result = closure()
+            if self.settings.master_weights:
+                self._refuse_half_masters(optimizer, model)
+            self._after_closure(model, optimizer)
+            return closure_result
+
+        output = self._step(optimizer, closure=closure_with_hooks, **kwargs)
+        if model.automatic_optimization:
+            self._end_iteration()
+        return output
 
     def _refuse_half_masters(self, optimizer: Any, model: nn.Module) -> None:
         refuse_half_masters(type(self).__name__, optimizer, lambda: user_names(model))
