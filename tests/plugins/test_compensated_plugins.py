@@ -176,11 +176,23 @@ def test_resuming_with_the_other_compensation_is_refused_naming_both(tmp_path: P
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"precision": "bf16-mixed", "compensation": "kahan"}, r"compensation='kahan'\)`: compensation applies"),
-        ({"precision": "16-mixed", "compensation": "stochastic"}, r"'16-mixed' keeps FP32 weights"),
+        (
+            {"precision": "bf16-mixed", "compensation": "kahan"},
+            r"compensation='kahan'\)`: compensation compensates bf16",
+        ),
+        (
+            {"precision": "16-mixed", "compensation": "stochastic"},
+            r"precision='16-mixed' does not hold \(its weights are",
+        ),
         ({"precision": "bf16-true", "compensation": "float"}, r"compensation='float'\)` is not supported"),
-        ({"precision": "bf16-true", "master_weights": True}, r"precision='bf16-true' keeps the weights in bf16.*Use precision='bf16-mixed' with master_weights"),
-        ({"precision": "bf16-true", "keep_fp32": (nn.Linear,)}, r"keep_fp32=.*use 'bf16-mixed'"),
+        (
+            {"precision": "bf16-true", "master_weights": True},
+            r"precision='bf16-true' keeps the weights in bf16.*Use precision='bf16-mixed' with master_weights",
+        ),
+        (
+            {"precision": "bf16-true", "keep_fp32": (nn.Linear,)},
+            r"keep_fp32=.*Use precision='bf16-mixed' with keep_fp32",
+        ),
         ({"precision": "bf16-true", "rounding_seed": -1}, r"rounding_seed=-1\)` must be an int >= 0"),
     ],
 )
