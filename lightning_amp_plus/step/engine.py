@@ -10,7 +10,7 @@ A front end adapts its framework's hooks; the engine does the step, in the order
 4. :meth:`StepEngine.step`: step, or skip when the gradients hold inf/NaN; record one :class:`StepResult`; stop a
    run that cannot make progress;
 5. :meth:`StepEngine.update`: move the loss scale once for every optimizer stepped since the last call, on the
-   scale's device, from the steps' flags there (:meth:`~.policy.ScalePolicy.advance_`: no host read).
+   scale's device, from the steps' flags there (:meth:`~.policy.LossScale.advance`: no host read).
 
 Each optimizer is known by a slot (:class:`Stage` is where it is this iteration). Its **route** is decided once, at
 its first step: an optimizer that unscales and skips in its own kernel (``Adam``/``AdamW``/``SGD``/``Adagrad`` with

@@ -85,7 +85,7 @@ class LossScale:
     """The loss scale's state: the float32 scale a loss is multiplied by, and its growth and hysteresis trackers.
 
     Both tensors live on the device of the first loss scaled (the CPU before) and move only by
-    :meth:`ScalePolicy.advance_` (:meth:`advance`) or an explicit :meth:`set`; :meth:`read` brings them to the host
+    :meth:`advance` or an explicit :meth:`set`; :meth:`read` brings them to the host
     (one read). The policy's constants are :attr:`policy`, replaced whole by :meth:`reconfigure`.
 
     State: :attr:`policy`, :attr:`scale`, :attr:`trackers`, and whether they have been placed on a device yet.
