@@ -430,7 +430,8 @@ def peak_bytes(run: Callable[[], object]) -> int:
     """The most bytes ``run`` held allocated on the CPU at once above what was live when it started.
 
     From the profiler's memory events (``torch.profiler.profile(profile_memory=True)``: each allocation and free of
-    the CPU allocator, attributed to the op that made it or recorded on its own), summed in time order.
+    the CPU allocator, attributed to the op that made it or recorded on its own), summed in time order. What one op
+    allocates and frees inside itself counts at its net: the peak of a composite op's own temporaries is not seen.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -146,31 +146,17 @@ def cast_counts(operand: Tensor, cast: Cast) -> Tensor:
     The scale is torchao's (``tensor_to_scale``: the float8 maximum over the amax, per tensor or per row, rounded down
     to a power of two where the recipe does), the cast torchao's (``to_fp8_saturated`` of the FP32 product); a value is
     flushed when it is nonzero and its float8 image is zero, left subnormal when its image is nonzero and below the
-    format's smallest normal number. Allocates about four FP32 copies of the operand: for check steps only.
-
-    One operator (``lightning_amp_plus::cast_counts``) to torch.compile, which runs it as it is, without fusing it
-    with the model's own kernels: a check step's compiled graph computes the model as the ordinary steps' graph does
-    (tests/plugins/test_fp8_compile.py compares the parameters with torchao's compiled path).
+    format's smallest normal number. Allocates about four FP32 copies of the operand in eager (check steps only);
+    compiled, inductor fuses them into the counts' reductions.
     """
-    counts: Tensor = _cast_counts(operand, cast.dtype, cast.dim, cast.power_of_2)
-    return counts
-
-
-@torch.library.custom_op("lightning_amp_plus::cast_counts", mutates_args=())
-def _cast_counts(operand: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> Tensor:
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated
 
-    granularity = ScalingGranularity.TENSORWISE if dim is None else ScalingGranularity.AXISWISE
+    granularity = ScalingGranularity.TENSORWISE if cast.dim is None else ScalingGranularity.AXISWISE
     values = operand.detach()
-    scale = tensor_to_scale(values, dtype, False, None, granularity, dim, power_of_2)
-    image = to_fp8_saturated(values.to(torch.float32) * scale, dtype).to(torch.float32)
+    scale = tensor_to_scale(values, cast.dtype, False, None, granularity, cast.dim, cast.power_of_2)
+    image = to_fp8_saturated(values.to(torch.float32) * scale, cast.dtype).to(torch.float32)
     nonzero = values != 0
     flushed = nonzero & (image == 0)
-    subnormal = (image != 0) & (image.abs() < torch.finfo(dtype).smallest_normal)
+    subnormal = (image != 0) & (image.abs() < torch.finfo(cast.dtype).smallest_normal)
     return torch.stack([nonzero.sum(), flushed.sum(), subnormal.sum()])
-
-
-@_cast_counts.register_fake
-def _cast_counts_shape(operand: Tensor, dtype: torch.dtype, dim: int | None, power_of_2: bool) -> Tensor:
-    return operand.new_empty(3, dtype=torch.int64)

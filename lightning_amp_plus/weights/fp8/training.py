@@ -255,7 +255,7 @@ def _note_position(guard: LayerGuard) -> bool:
 
 # torch.compile runs a function marked so when dynamo traces the forward (in the forward's order) and puts its
 # constant result in the graph: the position is noted without a side effect to replay or a guard on it, which a plain
-# attribute write would bring (a recompile per step). tests/weights/test_fp8_compile.py counts the graphs.
+# attribute write would bring (a recompile per step). tests/plugins/test_fp8_compile.py counts the graphs.
 _note_position_once: Callable[[LayerGuard], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
     _note_position
 )
