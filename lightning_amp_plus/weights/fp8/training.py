@@ -12,15 +12,17 @@ calls :meth:`~FP8Training.convert` once before building the optimizer, then eith
   skipped, and :meth:`~FP8Training.end_step` after every step.
 
 **What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the two
-hooks of each converted layer (:class:`LayerGuard`), one autograd function on its input (:class:`_Probe`), and the two
-calls around the step. The non-finite flags are device tensors each layer writes: in forward, in place (the first
-column of its output); in backward, as the gradient of a small leaf tensor of its own (the first column of the
-gradient it hands to its input), which autograd accumulates over micro-batches. On a check step the same hooks also
-count the casts (:mod:`~lightning_amp_plus.weights.fp8.readings`): no hook is added or removed, one switch is turned.
+hooks of each converted layer (:class:`LayerGuard`), two identity autograd functions around it (:class:`_Probe` on
+its input, :class:`_Carry` on its output), and the two calls around the step. The non-finite flags come from values
+the casts produce (the first column of the layer's output in forward; the first column of the gradient it hands to
+its input in backward: see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each becomes
+the gradient of a small leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check step the
+same hooks count the casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way: no hook is
+added or removed, one switch is turned.
 
-**Under torch.compile** all of it compiles into the graph without a break: the state a hook reads is a tensor (a graph
-input), one switch (``reading``: a check step compiles a second graph, once) and each layer's position in the forward
-order, noted when dynamo traces the forward (:func:`_note_position`). Nothing else recompiles.
+**Under torch.compile** all of it compiles into the graph without a break: a hook reads tensors (graph inputs it does
+not write), one switch (``reading``: a check step compiles a second graph, once) and each layer's position in the
+forward order, noted when dynamo traces the forward (:func:`_note_position`). Nothing else recompiles.
 """
 
 from __future__ import annotations
