@@ -27,18 +27,22 @@ What is compared
     * ``readings``: what the readings say when one token of one MLP layer's input is multiplied by 1e4 or 1e5, for
       each recipe, after ``--warm-steps`` clean steps: the outlier layer's casts, and the largest share flushed by any
       cast of the other layers.
-    * ``cost``: models in one process, ``FP8Training``'s conversion and torchao's own
-      ``convert_to_float8_training`` (same numerics), their steps alternated so that the machine's other load hits
-      both alike; every 4th step of ours is a check step. The readings' cost is the extra time of a check step over a
-      plain step spread over ``--check-interval`` steps (target <= 3%); the always-on part (the non-finite flags and
-      the hooks) is ours' plain step against torchao's, and a third model with the hooks but not the flags tells the
-      two apart.
+    * ``step``: the time of one training step (forward, backward, AdamW), eager and compiled (``torch.compile``,
+      inductor), side by side in one process, the sides taking turns step by step: torchao's bare recipe
+      (``convert_to_float8_training``, bf16 autocast, AdamW, a plain loop: the reference of every ratio), the same
+      loop driven by ``FP8Training`` (``before_forward``/``after_step``), Lightning Fabric with our plugin's
+      ``fp8-mixed``, and torchao's recipe under Fabric's own ``bf16-mixed``; every 4th step of ours is a check step,
+      timed apart. Then the peak CPU memory a step allocates above what was live before it, an ordinary step against
+      a check step, from the profiler's memory events (:func:`peak_bytes`).
+    * ``trace``: the functions one ``fp8-mixed`` Trainer step runs beyond a ``bf16-mixed`` step of the same model,
+      an ordinary step and a check step, counted with ``sys.setprofile`` as ``trace_step.py`` counts them.
 
 ``--device cuda`` runs every part on the GPU (the GEMM-bound throughput rows are ``gpu_check.py``'s). On CPU torch
 emulates the float8 GEMMs (``torch._scaled_mm``): the losses are the real FP8 numerics, the times are not GPU times.
 
 Usage
     python benchmarks/bench_fp8.py                     # everything, CPU (about 50 min on 2 shared cores)
+    python benchmarks/bench_fp8.py --parts step trace  # the step's cost and what it runs (a few minutes)
     python benchmarks/bench_fp8.py --quick             # a smoke run (a few minutes): 40 steps, one seed
     python benchmarks/bench_fp8.py --parts outliers --intervals 10 25 50 --seeds 0 1 2
     python benchmarks/bench_fp8.py --parts outliers --intervals 50 --outlier-layer transformer.h.1.mlp.fc
@@ -55,6 +59,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +71,6 @@ from _ab import Ratio, Side, load  # same directory
 from bench_compensated import VOCAB, entropy_rate, gpt, markov_batches, transition_matrix, warmup_cosine
 
 from lightning_amp_plus.weights.fp8 import RECIPES, FallbackRule, FP8Training
-from lightning_amp_plus.weights.fp8.convert import guard_of
 from lightning_amp_plus.weights.fp8.readings import worst_flush
 
 LR = 3e-3
@@ -321,40 +325,100 @@ def readings(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-# ------------------------------------------------------------------------------------------------------------- cost
-def fp8_run(kind: str, seed: int, device: str) -> tuple[nn.Module, Callable[[bool], float], FP8Training | None]:
-    """A model converted by ``FP8Training`` (``kind="ours"``) or by torchao alone, and its timed training step."""
-    model = gpt(seed).to(device)
-    fp8 = None
-    if kind == "ours":
-        fp8 = FP8Training("tensorwise", fallback=None)
-        fp8.convert(model)
-    else:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+# ------------------------------------------------------------------------------------------------------------- step
+@dataclass
+class Stepper:
+    """One side of the step comparison: a model and its training step, which says whether it was a check step."""
 
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    label: str
+    step: Callable[[], tuple[float, bool]]
+    fp8: FP8Training | None = None
+
+
+def bare_side(seed: int, device: str, compiled: bool) -> Stepper:
+    """torchao's recipe as its documentation runs it: ``convert_to_float8_training``, bf16 autocast, AdamW."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    model = gpt(seed).to(device)
+    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return plain_stepper("torchao's recipe", model, None, seed, device, compiled)
+
+
+def ours_side(seed: int, device: str, compiled: bool, interval: int) -> Stepper:
+    """The same loop with ``FP8Training`` driving the check steps (its flags on every step)."""
+    model = gpt(seed).to(device)
+    fp8 = FP8Training("tensorwise", check_interval=interval, fallback=None)
+    fp8.convert(model)
+    return plain_stepper("FP8Training", model, fp8, seed, device, compiled)
+
+
+def plain_stepper(
+    label: str, model: nn.Module, fp8: FP8Training | None, seed: int, device: str, compiled: bool
+) -> Stepper:
+    forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
     batches: Iterator[Tensor] = markov_batches(transition_matrix(), seed)
+    done = 0
 
-    def step(check: bool) -> float:
+    def step() -> tuple[float, bool]:
+        nonlocal done
         tokens = next(batches).to(device)
+        check = fp8 is not None and fp8.is_check_step(done)
         synchronize(device)
         started = time.perf_counter()
-        if check and fp8 is not None:
-            fp8.start_check()
-        loss = loss_of(model, tokens, True, device)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if fp8 is not None:
+            fp8.before_forward()
+        loss_of(forward, tokens, True, device).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if fp8 is not None:
-            if check:
-                fp8.finish_check()
-            fp8.end_step()
+            fp8.after_step()
         synchronize(device)
-        return time.perf_counter() - started
+        done += 1
+        return time.perf_counter() - started, check
 
-    return model, step, fp8
+    return Stepper(label, step, fp8)
+
+
+def fabric_side(seed: int, device: str, compiled: bool, interval: int | None) -> Stepper:
+    """A Fabric loop: our plugin's ``fp8-mixed`` (``interval``), or torchao's conversion under Fabric's bf16-mixed."""
+    import lightning as L
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_amp_plus.fabric import MixedPrecisionPlugin
+
+    model = gpt(seed)
+    if interval is None:
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        fabric = L.Fabric(accelerator=device, devices=1, precision="bf16-mixed")
+        plugin = None
+    else:
+        plugin = MixedPrecisionPlugin("fp8-mixed", device=device, fp8_check_interval=interval)
+        fabric = L.Fabric(accelerator=device, devices=1, plugins=[plugin])
+    wrapped = fabric.setup_module(torch.compile(model) if compiled else model)
+    optimizer = fabric.setup_optimizers(
+        torch.optim.AdamW(wrapped.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.1)
+    )
+    batches: Iterator[Tensor] = markov_batches(transition_matrix(), seed)
+    fp8 = None if plugin is None else plugin.fp8
+    done = 0
+
+    def step() -> tuple[float, bool]:
+        nonlocal done
+        tokens = next(batches).to(device)
+        check = fp8 is not None and fp8.is_check_step(done)
+        synchronize(device)
+        started = time.perf_counter()
+        logits = wrapped(tokens[:, :-1])
+        fabric.backward(F.cross_entropy(logits.float().reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        done += 1
+        return time.perf_counter() - started, check
+
+    label = "torchao's recipe, Fabric bf16-mixed" if plugin is None else "fp8-mixed, Fabric plugin"
+    return Stepper(label, step, fp8)
 
 
 def synchronize(device: str) -> None:
@@ -362,58 +426,225 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def cost(args: argparse.Namespace) -> list[str]:
-    # One process holds both models (FP8Training's and torchao's own conversion, same seed) and alternates their steps
-    # (A B, B A, ...), so that what else runs on the machine slows both alike; every 4th step of ours is a check step.
-    # A third model has the hooks without the non-finite flags: what the flags' arithmetic costs apart from the hooks.
-    plain, checked, theirs, bare = Side("plain FP8 step"), Side("check step"), Side("torchao alone"), Side("hooks")
+def peak_bytes(run: Callable[[], object]) -> int:
+    """The most bytes ``run`` held allocated on the CPU at once above what was live when it started.
+
+    From the profiler's memory events (``torch.profiler.profile(profile_memory=True)``: each allocation and free of
+    the CPU allocator, attributed to the op that made it or recorded on its own), summed in time order. What one op
+    allocates and frees inside itself counts at its net: the peak of a composite op's own temporaries is not seen.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiled:
+        run()
+    changes = sorted(
+        (event.time_range.start, event.self_cpu_memory_usage)
+        for event in profiled.events()
+        if event.self_cpu_memory_usage
+    )
+    live = peak = 0
+    for _, change in changes:
+        live += change
+        peak = max(peak, live)
+    return peak
+
+
+def step_cost(args: argparse.Namespace) -> list[str]:
+    """Per-step time of ours against torchao's bare recipe, eager and compiled, ordinary and check steps; the check
+    step's peak memory against an ordinary step's."""
+    interval = 4  # every 4th step of ours reads its casts: both kinds of step in every round
+    # The sides are four instances of one model class: dynamo, which by default does not guard on module hooks, would
+    # run them all through the graph it compiled for the first (torchao's, without our hooks). Guarded, each side
+    # compiles its own graphs.
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    sides: dict[str, dict[str, Stepper]] = {}
+    for mode in ("eager", "compiled"):
+        compiled = mode == "compiled"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Fabric's and the plugin's remarks on CPU bf16 and FP8 emulation
+            sides[mode] = {
+                "bare": bare_side(0, args.device, compiled),
+                "ours": ours_side(0, args.device, compiled, interval),
+                "fabric ours": fabric_side(0, args.device, compiled, interval),
+                "fabric torchao": fabric_side(0, args.device, compiled, None),
+            }
+            for side in sides[mode].values():  # compilation (both graphs of ours) and warm-up, untimed
+                for _ in range(2 * interval):
+                    side.step()
+        print(f"  step: {mode} sides built and warmed up (load average {load():.2f})", flush=True)
+    times: dict[tuple[str, str, bool], Side] = {}
     for r in range(args.rounds):
-        _, ours_step, _ = fp8_run("ours", r, args.device)
-        _, their_step, _ = fp8_run("torchao", r, args.device)
-        _, bare_step, bare_fp8 = fp8_run("ours", r, args.device)
-        for layer in bare_fp8.layers.values():  # type: ignore[union-attr]
-            guard_of(layer).log = None  # type: ignore[union-attr]
-        for _ in range(3):
-            ours_step(False)
-            their_step(False)
-            bare_step(False)
-        times: dict[str, list[float]] = {"plain": [], "check": [], "theirs": [], "bare": []}
-        for i in range(args.timed_steps):
-            check = i % 4 == 0
-            for who in ("ours", "theirs", "bare") if i % 2 == 0 else ("bare", "theirs", "ours"):
-                if who == "ours":
-                    times["check" if check else "plain"].append(ours_step(check))
-                elif who == "theirs":
-                    times["theirs"].append(their_step(False))
-                else:
-                    times["bare"].append(bare_step(False))
-        for side, key in ((plain, "plain"), (checked, "check"), (theirs, "theirs"), (bare, "bare")):
-            side.times.extend(times[key])
-            side.round_medians.append(statistics.median(times[key]))
-        print(f"  cost round {r + 1}/{args.rounds} (load average {load():.2f})", flush=True)
-    each = Ratio.of(checked, plain)
-    amortized = (each.of_medians - 1) / args.check_interval
-    always = Ratio.of(plain, theirs)
-    hooks = Ratio.of(bare, theirs)
-    return [
-        f"### cost: FP8 tensorwise steps on {args.device} ({args.rounds} rounds x {args.timed_steps} steps per model)",
+        for mode, group in sides.items():
+            order = list(group.items()) if r % 2 == 0 else list(reversed(group.items()))
+            taken: dict[tuple[str, str, bool], list[float]] = {}
+            for _ in range(args.timed_steps):
+                for key, side in order:  # the sides take turns, step by step
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        seconds, check = side.step()
+                    taken.setdefault((mode, key, check), []).append(seconds)
+            for found, seconds_taken in taken.items():
+                timed = times.setdefault(found, Side(" ".join(map(str, found))))
+                timed.times.extend(seconds_taken)
+                timed.round_medians.append(statistics.median(seconds_taken))
+        print(f"  step round {r + 1}/{args.rounds} (load average {load():.2f})", flush=True)
+    lines = [
+        f"### step: one tensorwise training step of the tiny GPT on {args.device} ({args.rounds} rounds x "
+        f"{args.timed_steps} steps per side; every {interval}th step of ours a check step)",
         "",
-        "| what | ours ms | reference ms | ratio (medians) | per round [min, max] | target |",
-        "|---|---:|---:|---:|---|---|",
-        f"| a check step against a plain step | {each.a_ms:.1f} | {each.b_ms:.1f} | {each.of_medians:.3f}x | "
-        f"{each.per_round()} | - |",
-        f"| readings every {args.check_interval} steps, per step | - | - | {1 + amortized:.4f}x | - | "
-        f"{'met' if amortized <= 0.03 else 'NOT met'} (<= 1.03x) |",
-        f"| every step (non-finite flags, hooks): FP8Training against torchao alone | {always.a_ms:.1f} | "
-        f"{always.b_ms:.1f} | {always.of_medians:.3f}x | {always.per_round()} | - |",
-        f"| every step, the hooks without the flags, against torchao alone | {hooks.a_ms:.1f} | {hooks.b_ms:.1f} | "
-        f"{hooks.of_medians:.3f}x | {hooks.per_round()} | - |",
+        "| step | eager: ours ms | torchao ms | ours / torchao (per round [min, max]) | compiled: ours ms | torchao ms "
+        "| ours / torchao (per round [min, max]) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = (
+        ("FP8Training in a plain loop, ordinary step", "ours", False, "bare"),
+        ("FP8Training in a plain loop, check step", "ours", True, "bare"),
+        ("fp8-mixed (Fabric plugin), ordinary step", "fabric ours", False, "bare"),
+        ("fp8-mixed (Fabric plugin), check step", "fabric ours", True, "bare"),
+        ("torchao's recipe under Fabric's bf16-mixed", "fabric torchao", False, "bare"),
+        ("fp8-mixed (Fabric plugin), ordinary step, against the row above", "fabric ours", False, "fabric torchao"),
+    )
+    for label, key, check, reference in rows:
+        cells = []
+        for mode in ("eager", "compiled"):
+            ours, theirs = times[(mode, key, check)], times[(mode, reference, False)]
+            ratio = Ratio.of(ours, theirs)
+            cells.append(f"{ratio.a_ms:.1f} | {ratio.b_ms:.1f} | {ratio.of_medians:.3f}x ({ratio.per_round()})")
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "Peak CPU memory allocated during one step, above what was live before it (profiler memory events):",
+        "",
+    ]
+    lines += ["| step | eager KiB | compiled KiB |", "|---|---:|---:|"]
+    peaks: dict[str, list[int]] = {}
+    for group in sides.values():
+        ours = group["ours"]
+        assert ours.fp8 is not None
+        while ours.fp8.is_check_step(ours.fp8.state_dict()["steps"]):
+            ours.step()  # the next step an ordinary one
+        peaks.setdefault("torchao's recipe", []).append(peak_bytes(group["bare"].step))
+        peaks.setdefault("FP8Training, ordinary step", []).append(peak_bytes(ours.step))
+        while not ours.fp8.is_check_step(ours.fp8.state_dict()["steps"]):
+            ours.step()
+        peaks.setdefault("FP8Training, check step", []).append(peak_bytes(ours.step))
+    for label, (eager, compiled) in peaks.items():
+        lines.append(f"| {label} | {eager / 1024:.0f} | {compiled / 1024:.0f} |")
+    ordinary, check = peaks["FP8Training, ordinary step"], peaks["FP8Training, check step"]
+    lines.append(f"| check step / ordinary step | {check[0] / ordinary[0]:.3f}x | {check[1] / ordinary[1]:.3f}x |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------------ trace
+class _Tiny(nn.Module):
+    """Two eligible Linear layers (16 -> 32 -> 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+
+def traced_step(precision: str, step: int) -> set[tuple[str, str]]:
+    """The functions one Trainer step runs, as ``benchmarks/trace_step.py`` counts them: ``sys.setprofile`` from the
+    step's batch start to its end, each Python function once by file and qualified name (comprehensions not
+    counted), in this package, Lightning's precision plugins (Trainer and Fabric) and ``torch/amp/grad_scaler.py``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_amp_plus
+    from lightning_amp_plus import MixedPrecisionPlugin
+
+    lightning_root = Path(pl.__file__).resolve().parent
+    roots = (
+        str(Path(lightning_amp_plus.__file__).resolve().parent),
+        str(lightning_root / "plugins" / "precision"),
+        str(lightning_root.parent / "fabric" / "plugins" / "precision"),
+        str(Path(torch.__file__).resolve().parent / "amp" / "grad_scaler.py"),
+    )
+    found: set[tuple[str, str]] = set()
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        name, path = frame.f_code.co_qualname, frame.f_code.co_filename
+        if event == "call" and path.startswith(roots) and not name.endswith(("<listcomp>", "<genexpr>", "<dictcomp>")):
+            found.add((path, name))
+
+    class Tracer(pl.Callback):
+        def on_train_batch_start(self, trainer: pl.Trainer, *_: Any) -> None:
+            if trainer.global_step == step:
+                sys.setprofile(profile)
+
+        def on_train_batch_end(self, *_: Any) -> None:
+            sys.setprofile(None)
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _Tiny()
+
+        def training_step(self, batch: tuple[Tensor, Tensor], _index: int) -> Tensor:
+            x, y = batch
+            return (self.model(x).float() - y).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    options = {"fp8_check_interval": 4} if precision == "fp8-mixed" else {}
+    plugin = MixedPrecisionPlugin(precision, device="cpu", **options)  # type: ignore[arg-type]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_steps=step + 2,
+        callbacks=[Tracer()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+    )
+    data = TensorDataset(torch.randn(64, 16), torch.randn(64, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(Module(), DataLoader(data, batch_size=8))
+    return found
+
+
+def trace(_args: argparse.Namespace) -> list[str]:
+    """What one fp8-mixed Trainer step runs beyond a bf16-mixed step of the same model: an ordinary step and a check
+    step (``fp8_check_interval=4``: step 3 is ordinary, step 4 a check step)."""
+    import lightning_amp_plus
+
+    ours = str(Path(lightning_amp_plus.__file__).resolve().parent) + "/"
+    bf16 = traced_step("bf16-mixed", 3)
+    lines = [
+        "### trace: one Trainer step of fp8-mixed beyond bf16-mixed (two eligible Linear layers, AdamW)",
+        "",
+        "| step | fp8-mixed: functions | files | bf16-mixed: functions | files | beyond bf16-mixed: functions "
+        "| files |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    listed = []
+    for label, step in (("ordinary", 3), ("check", 4)):
+        fp8 = traced_step("fp8-mixed", step)
+        extra = sorted(fp8 - bf16)
+        files = sorted({path for path, _ in extra})
+        lines.append(
+            f"| {label} | {len(fp8)} | {len({p for p, _ in fp8})} | {len(bf16)} | {len({p for p, _ in bf16})} | "
+            f"{len(extra)} | {len(files)} |"
+        )
+        for path in files:
+            names = ", ".join(name for where, name in extra if where == path)
+            listed.append(f"* {label}, `{path.replace(ours, '')}`: {names}")
+    return [*lines, "", *listed]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", nargs="+", default=["quality", "outliers", "readings", "cost"])
+    parser.add_argument("--parts", nargs="+", default=["quality", "outliers", "readings", "step", "trace"])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--quick", action="store_true", help="a smoke run: 40 steps, one seed, one round")
     parser.add_argument("--steps", type=int, default=300)
@@ -424,8 +655,8 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=1e5, help="the channel outlier's factor")
     parser.add_argument("--outlier-layer", default="lm_head", help="the layer whose input holds the outlier")
     parser.add_argument("--warm-steps", type=int, default=100, help="clean steps before the readings part's check")
-    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the cost part")
-    parser.add_argument("--timed-steps", type=int, default=40, help="timed steps of each model per round")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the step part")
+    parser.add_argument("--timed-steps", type=int, default=40, help="timed steps of each side per round")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: steadier on shared cores)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -441,7 +672,7 @@ def main() -> None:
         f"average {load():.2f}; loss floor {entropy_rate(transition_matrix()):.4f} nats",
         flush=True,
     )
-    sections = {"quality": quality, "outliers": outliers, "readings": readings, "cost": cost}
+    sections = {"quality": quality, "outliers": outliers, "readings": readings, "step": step_cost, "trace": trace}
     tables = [sections[part](args) for part in args.parts]
     print()
     for table in tables:

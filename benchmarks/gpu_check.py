@@ -1,7 +1,8 @@
 """One script for a machine with one CUDA GPU: the CUDA tests, the scaler benchmarks and a full training step.
 
-What it runs (in this order, each in a fresh process where it is a script of its own; about 5-7 minutes on one
-datacenter GPU, every part capped by a time limit):
+What it runs (in this order, each in a fresh process where it is a script of its own; estimated at 5-7 minutes on one
+datacenter GPU before the FP8 rows, which build eight models, five of them compiled, and add minutes of their own: not
+timed yet, no GPU has run it; ``--skip fp8`` or ``--fp8-eager`` to save them; every part capped by a time limit):
 
 1. ``pytest -m cuda``: the CUDA-marked tests (parity with GradScaler on CUDA, no sync in the fused step, ...).
 2. ``benchmarks/bench_grads.py --device cuda``: unscale / check / clip against GradScaler and the memory roofline.
@@ -17,11 +18,13 @@ datacenter GPU, every part capped by a time limit):
 
 5. FP8 on torchao (``weights/fp8``): a Llama-shaped model that is GEMM-bound (litgpt's ``Llama-3-8B`` config cut to
    ``--fp8-layers`` blocks: 4096 wide, 14336 MLP, grouped-query attention, 128k vocabulary; batch ``--fp8-batch`` x
-   ``--fp8-seq`` tokens), compiled (``torch.compile``), fused AdamW, in a plain loop: bf16-mixed against
-   ``FP8Training`` with the ``tensorwise`` and ``rowwise`` recipes (every eligible Linear but the lm_head, as
-   torchtitan leaves its output layer), as a throughput ratio (target: fp8 >= 1.2x bf16-mixed); and the readings'
-   cost, a check step against a plain FP8 step spread over 50 steps (target: <= 1%). Each round builds and compiles
-   three models (``--fp8-rounds``, default 1); ``--small`` runs them eager.
+   ``--fp8-seq`` tokens), fused AdamW, in a plain loop, every eligible Linear but the lm_head in FP8 (as torchtitan
+   leaves its output layer): ``FP8Training`` (what ``fp8-mixed`` runs) in tokens/s against bf16-mixed and against
+   torchao's own recipe (``convert_to_float8_training``, same filter), eager and compiled, tensorwise (and rowwise,
+   compiled; target: compiled fp8 >= 1.2x bf16-mixed); and the readings' cost, a check step against an ordinary one
+   spread over 50 steps (target: <= 1%), with the peak memory of each (CUDA's allocator statistics). Each round
+   builds eight models (``--fp8-rounds``, default 1); ``--fp8-eager`` leaves out the compiled ones; ``--small`` on
+   CPU compiles with ``aot_eager``.
 
 Then one table: each check, its result, and the ratio where there is one. ``--device cpu --small`` runs every piece on
 CPU with tiny sizes (a small CNN, quick benchmark settings), to try the script end to end without a GPU; its numbers
@@ -297,15 +300,32 @@ def llama(small: bool, layers: int, seq: int) -> nn.Module:
 
 @dataclass
 class FP8Side:
-    """One side of the FP8 comparison: bf16-mixed (``recipe=None``) or FP8 with a recipe."""
+    """One side of the FP8 comparison: bf16-mixed (``recipe=None``), torchao's recipe alone, or ``FP8Training``."""
 
     name: str
     recipe: str | None
+    ours: bool
+    compiled: bool
     times: list[float]
 
 
+def step_peak(device: str, step: Callable[[], float]) -> int:
+    """The most bytes one step held allocated at once above what was live before it (CUDA's allocator statistics;
+    on CPU the profiler's memory events, as ``bench_fp8.py`` measures them)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return int(torch.cuda.max_memory_allocated() - before)
+    from bench_fp8 import peak_bytes  # same directory
+
+    return peak_bytes(step)
+
+
 def fp8_train_steps(side: FP8Side, args: argparse.Namespace, small: bool, checks: bool = False) -> dict[str, float]:
-    """Build, compile and train one model; return the median seconds of plain steps (and of check steps)."""
+    """Build (and compile) one model and train it; the median seconds of plain steps (and of check steps, with the
+    peak memory of each kind)."""
     from lightning_amp_plus.weights.fp8 import FP8Training
 
     device, seq = args.device, (64 if small else args.fp8_seq)
@@ -313,11 +333,20 @@ def fp8_train_steps(side: FP8Side, args: argparse.Namespace, small: bool, checks
     torch.manual_seed(0)
     model = llama(small, args.fp8_layers, seq).to(device)
     fp8 = None
-    if side.recipe is not None:
-        fp8 = FP8Training(side.recipe, modules=lambda _m, name: name != "lm_head", fallback=None)  # type: ignore[arg-type]
+    every_but_the_head = lambda _m, name: name != "lm_head"  # noqa: E731  # as torchtitan leaves its output layer
+    if side.recipe is not None and side.ours:
+        fp8 = FP8Training(side.recipe, modules=every_but_the_head, fallback=None)  # type: ignore[arg-type]
         fp8.convert(model)
-    # --small on CPU runs eager: inductor's C++ compile of three models takes ~15 min on a small shared CPU.
-    compiled = torch.compile(model) if args.fp8_compile and not small else model
+    elif side.recipe is not None:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        from lightning_amp_plus.weights.fp8 import eligible
+
+        config = Float8LinearConfig.from_recipe_name(side.recipe)
+        convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: eligible(m) and n != "lm_head")
+    # --small on CPU compiles with aot_eager: inductor's C++ compile of the compiled sides takes many minutes there.
+    backend = "aot_eager" if small and device == "cpu" else "inductor"
+    compiled = torch.compile(model, backend=backend) if side.compiled else model
     vocab = model.config.padded_vocab_size  # type: ignore[union-attr]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
@@ -334,9 +363,7 @@ def fp8_train_steps(side: FP8Side, args: argparse.Namespace, small: bool, checks
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if fp8 is not None:
-            if check:
-                fp8.finish_check()
-            fp8.end_step()
+            fp8.after_step()
         synchronize(torch.device(device))
         return time.perf_counter() - started
 
@@ -347,49 +374,85 @@ def fp8_train_steps(side: FP8Side, args: argparse.Namespace, small: bool, checks
     result = {"plain": statistics.median(plain)}
     if checks:
         result["check"] = statistics.median(step(True) for _ in range(max(2, steps // 4)))
+        result["plain peak"] = step_peak(device, lambda: step(False))
+        result["check peak"] = step_peak(device, lambda: step(True))
     return result
+
+
+def fp8_sides(args: argparse.Namespace) -> list[FP8Side]:
+    """bf16-mixed, torchao's tensorwise recipe and ours, eager and compiled; rowwise (torchao's and ours) compiled."""
+    modes = (False, True) if args.fp8_compile else (False,)
+    sides = []
+    for compiled in modes:
+        sides += [
+            FP8Side("bf16-mixed", None, ours=False, compiled=compiled, times=[]),
+            FP8Side("torchao tensorwise", "tensorwise", ours=False, compiled=compiled, times=[]),
+            FP8Side("fp8-mixed tensorwise", "tensorwise", ours=True, compiled=compiled, times=[]),
+        ]
+    if args.fp8_compile:
+        sides += [
+            FP8Side("torchao rowwise", "rowwise", ours=False, compiled=True, times=[]),
+            FP8Side("fp8-mixed rowwise", "rowwise", ours=True, compiled=True, times=[]),
+        ]
+    return sides
 
 
 def fp8_rows(args: argparse.Namespace) -> list[Row]:
     small = args.small
-    sides = [FP8Side("bf16-mixed", None, []), FP8Side("fp8 tensorwise", "tensorwise", []),
-             FP8Side("fp8 rowwise", "rowwise", [])]  # fmt: skip
+    sides = fp8_sides(args)
     started = time.perf_counter()
-    checks: list[tuple[float, float]] = []
+    checks: dict[bool, list[dict[str, float]]] = {}
     for r in range(args.fp8_rounds):
         for side in sides if r % 2 == 0 else sides[::-1]:
-            timed = fp8_train_steps(side, args, small, checks=side.recipe == "tensorwise")
+            timed = fp8_train_steps(side, args, small, checks=side.ours and side.recipe == "tensorwise")
             torch._dynamo.reset()  # the next model compiles afresh (its graphs are not the last one's)
             gc.collect()
             if args.device == "cuda":
                 torch.cuda.empty_cache()  # the last model's memory, freed on return, back to the device
             side.times.append(timed["plain"])
             if "check" in timed:
-                checks.append((timed["check"], timed["plain"]))
+                checks.setdefault(side.compiled, []).append(timed)
     seconds = time.perf_counter() - started
     shape = "tiny Llama (1 block, 64 wide)" if small else f"Llama-3-8B shapes, {args.fp8_layers} blocks"
     tokens = (2 * 64) if small else args.fp8_batch * args.fp8_seq
-    bf16 = statistics.median(sides[0].times)
+    median = {(side.name, side.compiled): statistics.median(side.times) for side in sides}
     rows = []
-    for side in sides[1:]:
-        ms = statistics.median(side.times)
-        speed = bf16 / ms
-        verdict = "ok" if args.small or speed >= 1.2 else "below target"
-        rows.append(Row(
-            f"fp8 {side.recipe} vs bf16-mixed", verdict,
-            f"{shape}, {tokens} tokens/step{', compiled' if args.fp8_compile and not small else ', eager'}: fp8 "
-            f"{ms * 1e3:.1f} ms, "
-            f"bf16-mixed {bf16 * 1e3:.1f} ms, throughput {speed:.2f}x (target >= 1.2x; {args.fp8_rounds} round(s))",
-            seconds / len(sides),
-        ))  # fmt: skip
-    check, plain = statistics.median(c for c, _ in checks), statistics.median(p for _, p in checks)
-    overhead = (check / plain - 1) / 50
-    rows.append(Row(
-        "fp8 readings every 50 steps", "ok" if args.small or overhead <= 0.01 else "above target",
-        f"check step {check * 1e3:.1f} ms vs plain {plain * 1e3:.1f} ms ({check / plain:.2f}x): "
-        f"{overhead:+.2%} per step at 50 (target <= 1%)",
-        0.0,
-    ))  # fmt: skip
+    for side in sides:
+        if not side.ours:
+            continue
+        mode = "compiled" if side.compiled else "eager"
+        ms = median[(side.name, side.compiled)]
+        bf16, torchao = median[("bf16-mixed", side.compiled)], median[(f"torchao {side.recipe}", side.compiled)]
+        speed, ours_vs_torchao = bf16 / ms, (1 / ms) / (1 / torchao)
+        target = not side.compiled or small or speed >= 1.2  # torchao's speed-ups are published compiled
+        rows.append(
+            Row(
+                f"{side.name} {mode} vs bf16-mixed and torchao",
+                "ok" if target else "below target",
+                f"{shape}, {tokens} tokens/step, {mode}: {tokens / ms:,.0f} tokens/s; bf16-mixed "
+                f"{tokens / bf16:,.0f} ({speed:.2f}x{', target >= 1.2x' if side.compiled else ''}); torchao's recipe "
+                f"{tokens / torchao:,.0f} ({ours_vs_torchao:.3f}x); {args.fp8_rounds} round(s)",
+                seconds / len(sides),
+            )
+        )
+    for compiled, found in checks.items():
+        mode = "compiled" if compiled else "eager"
+        check, plain = statistics.median(t["check"] for t in found), statistics.median(t["plain"] for t in found)
+        overhead = (check / plain - 1) / 50
+        peak, check_peak = (
+            statistics.median(t["plain peak"] for t in found),
+            statistics.median(t["check peak"] for t in found),
+        )
+        rows.append(
+            Row(
+                f"fp8-mixed readings every 50 steps, {mode}",
+                "ok" if small or overhead <= 0.01 else "above target",
+                f"check step {check * 1e3:.1f} ms vs ordinary {plain * 1e3:.1f} ms ({check / plain:.2f}x): "
+                f"{overhead:+.2%} per step at 50 (target <= 1%); peak memory of a step {check_peak / 2**20:,.1f} MiB "
+                f"vs {peak / 2**20:,.1f} MiB ({check_peak / max(peak, 1):.3f}x)",
+                0.0,
+            )
+        )
     for row in rows:
         print(f"{row.check}: {row.detail}", flush=True)
     return rows
@@ -408,8 +471,8 @@ def main() -> None:
     parser.add_argument("--fp8-layers", type=int, default=4, help="Llama-3-8B blocks of the FP8 model (default 4)")
     parser.add_argument("--fp8-batch", type=int, default=2, help="sequences per FP8 step (default 2)")
     parser.add_argument("--fp8-seq", type=int, default=4096, help="tokens per sequence (default 4096)")
-    parser.add_argument("--fp8-eager", dest="fp8_compile", action="store_false", help="FP8 rows without torch.compile")
-    parser.add_argument("--fp8-rounds", type=int, default=1, help="rounds of the FP8 rows (each compiles 3 models)")
+    parser.add_argument("--fp8-eager", dest="fp8_compile", action="store_false", help="FP8 rows eager only")
+    parser.add_argument("--fp8-rounds", type=int, default=1, help="rounds of the FP8 rows (each builds 8 models)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here; try --device cpu --small")

@@ -1,14 +1,16 @@
 """What the ``"fp8-mixed"`` tests share: litgpt's tiny GPT, token batches, a LightningModule over it, torchao's path.
 
 The model is litgpt's GPT as its users build it, 2 layers and 64 wide: 9 Linear layers, all eligible for FP8 (both
-weight dimensions divisible by 16). The reference is torchao's own ``convert_to_float8_training`` with the same config
-and filter, trained under Lightning's or Fabric's own ``bf16-mixed``. torchao and litgpt are imported by the tests
+weight dimensions divisible by 16); :func:`llama` is the same GPT shaped as a Llama (RMSNorm, SwiGLU MLP, grouped
+queries, no biases: 11 Linear layers), as torchtitan trains it. The reference is torchao's own
+``convert_to_float8_training`` with the same config and filter, trained under Lightning's or Fabric's own
+``bf16-mixed``. torchao and litgpt are imported by the tests
 that use this module, after their ``importorskip``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -19,6 +21,17 @@ from torch.utils.data import DataLoader, Dataset
 
 CONFIG = {"n_layer": 2, "n_embd": 64, "n_head": 2, "block_size": 32, "vocab_size": 64, "padded_vocab_size": 64}
 LINEARS = 9  # per block qkv, proj, mlp.fc, mlp.proj; and lm_head
+LLAMA = {
+    **CONFIG,
+    "n_query_groups": 1,
+    "bias": False,
+    "norm_class_name": "RMSNorm",
+    "mlp_class_name": "LLaMAMLP",
+    "intermediate_size": 128,
+    "parallel_residual": False,
+    "rotary_percentage": 1.0,
+}
+LLAMA_LINEARS = 11  # per block qkv, proj, mlp.fc_1, mlp.fc_2, mlp.proj; and lm_head
 FIRST_LAYERS = ("transformer.h.0.attn.qkv", "transformer.h.0.attn.proj", "transformer.h.0.mlp.fc")
 LAYER = "transformer.h.0.mlp.proj"  # where a NaN or an outlier is put
 # The plugin warns once that FP8 is emulated on CPU; the tests run there on purpose (one test expects the warning).
@@ -34,6 +47,13 @@ def gpt(seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     return litgpt.GPT(litgpt.Config(**CONFIG))
+
+
+def llama(seed: int = 0) -> nn.Module:
+    import litgpt
+
+    torch.manual_seed(seed)
+    return litgpt.GPT(litgpt.Config(**LLAMA))
 
 
 def tokens(step: int, batch: int = 4) -> Tensor:
@@ -104,14 +124,20 @@ def loader(steps: Iterable[int]) -> DataLoader[Any]:
 
 
 class GPTModule(pl.LightningModule):
-    """The GPT under the Trainer; ``recipe`` converts it with torchao first (the reference); ``faulty`` are the
-    steps whose batch gets a NaN (or, with ``factor``, an outlier) at :data:`LAYER`'s input."""
+    """The GPT under the Trainer (``build``: :func:`gpt` or :func:`llama`); ``recipe`` converts it with torchao first
+    (the reference); ``faulty`` are the steps whose batch gets a NaN (or, with ``factor``, an outlier) at
+    :data:`LAYER`'s input."""
 
     def __init__(
-        self, recipe: str | None = None, faulty: Iterable[int] = (), factor: float | None = None, seed: int = 0
+        self,
+        recipe: str | None = None,
+        faulty: Iterable[int] = (),
+        factor: float | None = None,
+        seed: int = 0,
+        build: Callable[[int], nn.Module] = gpt,
     ) -> None:
         super().__init__()
-        self.gpt = gpt(seed)
+        self.gpt = build(seed)
         self.faults = Faults(self.gpt.get_submodule(LAYER), factor=factor)
         self.faulty = set(faulty)
         self.converted_when_optimizers_were_made: bool | None = None

@@ -148,7 +148,7 @@ class FP8Watch:
         fp8 = self._fp8
         if fp8 is None or not interval or (step + 1) % interval or fp8.rule.threshold_pct is not None:
             return
-        if not fp8.readings.armed and fp8.layers:
+        if not fp8.armed and fp8.layers:
             fp8.start_check()
 
     def take(self, step: int) -> dict[str, float]:

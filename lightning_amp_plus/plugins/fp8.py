@@ -10,17 +10,17 @@ numerics are :mod:`~lightning_amp_plus.weights.fp8`'s; here the Lightning side o
   emulated on CPU (correct, slow: one warning); refused on MPS (:func:`check_fp8_device`);
 * the conversion at set-up (:func:`convert_for`), refused where ``fully_shard`` ran first (FSDP1's plugins refuse
   ``"fp8-mixed"``);
-* after each optimizer step (:func:`after_step`): the check step's readings and the non-finite flags reduced across
-  data-parallel ranks (one SUM all-reduce, so that every rank falls back the same layers), a fallback said on rank
-  zero.
+* after each optimizer step (:data:`after_step`): the check step's readings and the non-finite flags reduced across
+  data-parallel ranks (one SUM all-reduce, so that every rank falls back the same layers), a fallback (or, with
+  ``fp8_fallback=None``, a layer that would fall back) said on rank zero.
 
 The step engine of ``"fp8-mixed"`` is bf16's: autocast to bf16, the check on, no loss scale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
@@ -30,9 +30,6 @@ from lightning_amp_plus.plugins.ranks import world_size
 from lightning_amp_plus.step.sharding import is_dtensor
 from lightning_amp_plus.weights.fp8.convert import eligible
 from lightning_amp_plus.weights.fp8.training import FP8Training
-
-if TYPE_CHECKING:
-    from lightning_amp_plus.step.engine import PendingStep, StepResult
 
 __all__ = ["FP8", "after_step", "check_fp8_device", "convert_for", "fp8_for"]
 
@@ -117,22 +114,21 @@ def convert_for(name: str, fp8: FP8Training, module: nn.Module) -> None:
         fp8.convert(module)
 
 
-def after_step(fp8: FP8Training, result: StepResult | PendingStep | None) -> None:
-    """After an optimizer step, skipped or not: readings and flags reduced over the ranks, a fallback said on rank 0."""
-    fp8.after_step(result, reduce=_reduce_over_ranks(), warn=_rank_zero_warn)
+def _sum_over_ranks(tensor: Tensor) -> Tensor:
+    """``tensor`` summed over the world (data-parallel ranks: DDP, FSDP2), in place; as it is in one process."""
+    if world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
+    return tensor
 
 
 def _rank_zero_warn(message: str) -> None:
     rank_zero_warn(message, category=UserWarning)
 
 
-def _reduce_over_ranks() -> Callable[[Tensor], Tensor] | None:
-    """A SUM all-reduce over the world (data-parallel ranks: DDP, FSDP2), or ``None`` in one process."""
-    if world_size() == 1:
-        return None
+after_step = partial(FP8Training.after_step, reduce=_sum_over_ranks, warn=_rank_zero_warn)
+"""``after_step(fp8, result)``, after an optimizer step, skipped or not (the plugins' call): ``fp8.after_step(result)``
+with the readings and flags summed over the ranks and a fallback said on rank zero.
 
-    def reduce(tensor: Tensor) -> Tensor:
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM)
-        return tensor
-
-    return reduce
+The method itself with those two arguments bound: an ordinary step runs no function of this module (the rank count
+and the warning are needed on check steps and skipped steps only).
+"""

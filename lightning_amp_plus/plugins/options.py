@@ -280,7 +280,7 @@ def _module_types(owner: str, option: str, value: object) -> tuple[type[nn.Modul
 
 def _fp8_options(owner: str, options: Mapping[str, object]) -> dict[str, Any]:
     """The fp8_* options checked, with their defaults (torchao is needed from here on: the message says how)."""
-    from lightning_amp_plus.weights.fp8.training import (
+    from lightning_amp_plus.weights.fp8.options import (
         DEFAULT_CHECK_INTERVAL,
         DEFAULT_FALLBACK,
         DEFAULT_RECIPE,

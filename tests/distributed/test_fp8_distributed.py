@@ -25,7 +25,7 @@ import lightning as L
 import lightning.pytorch as pl
 import pytest
 import torch
-from fp8_models import LAYER, LINEARS, LR, Faults, GPTModule, gpt, lm_loss, tokens
+from fp8_models import LAYER, LINEARS, LR, Faults, GPTModule, gpt, llama, lm_loss, tokens
 from launch import WORLD, run_pool, scenario
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
@@ -137,12 +137,31 @@ def fabric_ddp(faulty: tuple[int, ...], factor: float | None) -> dict[str, Any]:
     return {**fp8_record(plugin), "params": pieces(model)}
 
 
+def fabric_ddp_watching() -> list[str]:
+    """``fp8_fallback=None`` and the outlier in rank 1's batches: the warnings this rank gave."""
+    plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=1, fp8_fallback=None)
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin])
+    fabric.launch()
+    model = gpt()
+    Faults(model.get_submodule(LAYER), factor=OUTLIER).on = fabric.global_rank == FAULT_RANK
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            fabric.backward(lm_loss(model, rank_tokens(step, fabric.global_rank)))
+            optimizer.step()
+            optimizer.zero_grad()
+    return [str(w.message) for w in caught if str(w.message).startswith("FP8 layer")]
+
+
 def ddp(out: Path) -> dict[str, Any]:
-    return {
+    runs: dict[str, Any] = {
         f"{front_end}/{fault}": run(faulty, factor)
         for front_end, run in (("trainer", trainer_ddp), ("fabric", fabric_ddp))
         for fault, faulty, factor in (("outlier", tuple(range(STEPS)), OUTLIER), ("nan", (NAN_STEP,), None))
     }
+    return {**runs, "watching": fabric_ddp_watching()}
 
 
 # ---------------------------------------------------------------------------------------------------- FSDP2
@@ -315,7 +334,106 @@ def fsdp2(out: Path) -> dict[str, Any]:
     return {**runs, "sharded first": sharded_before_converted()}
 
 
-SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2}
+# ---------------------------------------------------------------------------- FSDP2: a fallback, torchtitan's sharding
+HEAD, ALONE = "lm_head", "transformer.h.1.mlp.proj"  # the two layers that fall back
+MICRO_BATCHES = 2
+
+
+def shard_torchtitan(model: nn.Module, mesh: Any) -> nn.Module:
+    """As torchtitan shards a Llama: each block, ``[norm, output]`` together, the root; one Linear also alone."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(model.get_submodule(ALONE), mesh=mesh, mp_policy=half_policy())
+    transformer: Any = model.transformer
+    for block in transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=half_policy())
+    fully_shard([transformer.ln_f, model.lm_head], mesh=mesh, mp_policy=half_policy())
+    return fully_shard(model, mesh=mesh, mp_policy=half_policy())
+
+
+def accumulate(fabric: L.Fabric, model: nn.Module, optimizer: Any, steps: range) -> None:
+    """litgpt's loop: micro-batches under ``no_backward_sync`` but the last, then one optimizer step."""
+    for step in steps:
+        for micro in range(MICRO_BATCHES):
+            with fabric.no_backward_sync(model, enabled=micro < MICRO_BATCHES - 1):
+                batch = rank_tokens(MICRO_BATCHES * step + micro, fabric.global_rank)
+                fabric.backward(lm_loss(model, batch) / MICRO_BATCHES)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def torchtitan_fabric(given: dict[str, Any]) -> L.Fabric:
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    shard = lambda model, mesh: shard_torchtitan(model, mesh["data_parallel"])  # noqa: E731
+    strategy = FabricModelParallel(shard, data_parallel_size=WORLD, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, **given)
+    fabric.launch()
+    return fabric
+
+
+def with_outliers(model: nn.Module) -> nn.Module:
+    for name in (HEAD, ALONE):
+        Faults(model.get_submodule(name), factor=OUTLIER).on = True
+    return model
+
+
+def fallback_reference(steps: int, fallback_step: int) -> tuple[Any, dict[str, Tensor]]:
+    """torchao's path: every layer converted until the fallback's step, then the two layers never converted.
+
+    Model A (all converted) trains up to the fallback's step; model B, converted but for the two layers and sharded the
+    same way, takes A's parameters and optimizer state (torch's distributed state-dict helpers) and goes on.
+    """
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_amp_plus.weights.fp8 import eligible
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric = torchtitan_fabric({"precision": "bf16-mixed"})
+    models, optimizers = [], []
+    for leave in ((), (HEAD, ALONE)):
+        model = llama()
+        chosen = lambda module, name, leave=leave: eligible(module, name) and name not in leave  # noqa: E731
+        convert_to_float8_training(model, config=Float8LinearConfig(), module_filter_fn=chosen)
+        with_outliers(model)  # after torchao's conversion, which drops the hooks of the layers it swaps
+        models.append(fabric.setup_module(model))
+        optimizers.append(fabric.setup_optimizers(torch.optim.AdamW(models[-1].parameters(), lr=LR, weight_decay=0.1)))
+    (a, b), (a_optimizer, b_optimizer) = models, optimizers
+    accumulate(fabric, a, a_optimizer, range(fallback_step + 1))
+    state, optimizer_state = get_state_dict(a.module, a_optimizer.optimizer)
+    set_state_dict(b.module, b_optimizer.optimizer, model_state_dict=state, optim_state_dict=optimizer_state)
+    at_fallback = pieces(b.module)
+    accumulate(fabric, b, b_optimizer, range(fallback_step + 1, steps))
+    return b, at_fallback
+
+
+def fsdp2_fallback(out: Path) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    reference, at_fallback = fallback_reference(STEPS, fallback_step=1)
+    plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=1, fp8_fallback=1.0)
+    fabric = torchtitan_fabric({"plugins": [plugin]})
+    model = fabric.setup_module(with_outliers(llama()))  # the conversion keeps the hooks
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    accumulate(fabric, model, optimizer, range(STEPS))
+    layers = {name: model.module.get_submodule(name) for name in (HEAD, ALONE)}
+    references = {name: reference.module.get_submodule(name) for name in (HEAD, ALONE)}
+    return {
+        **fp8_record(plugin),
+        "params": pieces(model.module),
+        "reference": pieces(reference.module),
+        "reference at fallback": at_fallback,
+        # Whether each layer's class is the one fully_shard gave the reference's never-converted Linear, and its name.
+        "classes": {
+            name: (type(layers[name]) is type(references[name]), type(layers[name]).__name__) for name in layers
+        },
+        "fsdp modules": {name: isinstance(layer, FSDPModule) for name, layer in layers.items()},
+    }
+
+
+SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2 fallback": fsdp2_fallback}
 
 
 @pytest.fixture(scope="module")
@@ -346,6 +464,15 @@ def test_an_outlier_on_one_rank_is_read_on_both_and_both_fall_back_the_same_laye
     assert [check[1] for check in zero["checks"]] == [[], [layer], [], []]  # at the second reading, on both
     assert len(zero["layers"]) == LINEARS - 1
     assert_equal_pieces(zero["params"], one["params"], "the two replicas")
+
+
+def test_with_fp8_fallback_none_rank_zero_alone_warns_once_naming_the_layer_another_rank_flushes(
+    ranks: list[dict[str, Any]],
+) -> None:
+    zero, one = scenario(ranks, "ddp")
+    assert len(zero["watching"]) == 1 and one["watching"] == []
+    assert zero["watching"][0].startswith(f"FP8 layer `{LAYER}` flushed ")
+    assert "with fp8_fallback=None it stays in FP8" in zero["watching"][0]
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
@@ -393,3 +520,19 @@ def test_a_model_sharded_before_the_plugin_could_convert_it_is_refused_naming_th
         message = rank["sharded first"]
         assert "are sharded already (fully_shard ran before the plugin could convert them)" in message
         assert "`self.trainer.precision_plugin.fp8.convert(self)`, then `fully_shard(" in message
+
+
+def test_under_fsdp2_a_fallen_back_layer_stays_an_fsdp_module_trains_under_no_backward_sync_and_equals_torchao(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # torchtitan's sharding ([norm, output] together; here one MLP projection alone too), litgpt's accumulation: the
+    # layers that fall back at step 1 then equal torchao's path with those layers never converted from step 2 on.
+    for rank in scenario(ranks, "fsdp2 fallback"):
+        assert rank["fallen_back"] == [ALONE, HEAD]  # in forward order
+        assert [check[1] for check in rank["checks"]] == [[], [ALONE, HEAD], [], []]  # at the second reading
+        for name in (f"{HEAD}.weight", f"{ALONE}.weight"):  # premise: the fallen layers train after the fallback
+            assert not torch.equal(rank["reference"][name], rank["reference at fallback"][name]), name
+        assert_equal_pieces(rank["params"], rank["reference"], "a rank's shards after the fallback")
+        # The class fully_shard gave the reference's never-converted Linear layers.
+        assert rank["classes"] == {HEAD: (True, "FSDPLinear"), ALONE: (True, "FSDPLinear")}
+        assert rank["fsdp modules"] == {HEAD: True, ALONE: True}

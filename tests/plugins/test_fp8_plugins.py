@@ -56,13 +56,18 @@ FAULT_STEP = 2
 
 # ---------------------------------------------------------------------------------------------------------- Fabric
 def fabric_train(
-    plugin: Any, steps: list[int], *, recipe: str | None = None, faulty: tuple[int, ...] = (), state: Any = None
+    plugin: Any,
+    steps: list[int],
+    *,
+    recipe: str | None = None,
+    faulty: tuple[int, ...] = (),
+    factor: float | None = None,
 ) -> tuple[nn.Module, Any]:
     """A plain Fabric loop over the batches of ``steps`` (``precision`` or ``plugins=[plugin]``)."""
     given = {"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]}
     fabric = L.Fabric(accelerator="cpu", devices=1, **given)
     model = gpt()
-    faults = Faults(model.get_submodule(LAYER))
+    faults = Faults(model.get_submodule(LAYER), factor=factor)
     if recipe is not None:
         torchao_reference(recipe, model)
     model = fabric.setup_module(model)
@@ -264,13 +269,101 @@ def test_the_fabric_plugin_falls_back_and_fabric_save_load_keeps_it(tmp_path: Pa
     assert_same_parameters(again, model, "the loaded model")
 
 
-def test_fp8_fallback_none_reads_and_never_falls_back() -> None:
-    plugin = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=1, fp8_fallback=None)
-    module = GPTModule(faulty=range(100), factor=OUTLIER)
-    make_trainer(plugins=[plugin], max_steps=3).fit(module, loader(range(3)))
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_fp8_fallback_none_reads_warns_once_per_layer_without_a_monitor_and_never_falls_back(front_end: str) -> None:
+    # The outlier layer flushes more than 1% at every reading: named once, at the second reading, with its share.
+    plugin = FRONT_ENDS[front_end]("fp8-mixed", fp8_check_interval=1, fp8_fallback=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if front_end == "trainer":
+            module = GPTModule(faulty=range(100), factor=OUTLIER)
+            make_trainer(plugins=[plugin], max_steps=4).fit(module, loader(range(4)))
+        else:
+            fabric_train(plugin, list(range(4)), faulty=tuple(range(100)), factor=OUTLIER)
+    layer = f"gpt.{LAYER}" if front_end == "trainer" else LAYER
+    said = [str(w.message) for w in caught if str(w.message).startswith("FP8 layer")]
+    second = max((r for r in plugin.fp8.checks[1].readings if r.layer == layer), key=lambda r: r.flushed_pct)
+    assert said == [
+        f"FP8 layer `{layer}` flushed {second.flushed_pct:.2f}% of its {second.cast} cast's nonzero values to zero at "
+        "2 readings in a row (above 1%); with fp8_fallback=None it stays in FP8. Pass fp8_fallback=1 to send such a "
+        "layer back to bf16, or keep it out of FP8 with fp8_modules. Said once per layer."
+    ]
+    assert all(w.category is UserWarning for w in caught if str(w.message).startswith("FP8 layer"))
     assert plugin.fp8.fallen_back == [] and len(plugin.fp8.layers) == LINEARS
-    flushed = [r.flushed_pct for check in plugin.fp8.checks for r in check.readings if r.layer == f"gpt.{LAYER}"]
-    assert len(plugin.fp8.checks) == 3 and max(flushed) > 1.0
+    assert len(plugin.fp8.checks) == 4 and second.flushed_pct > 1.0
+
+
+# ------------------------------------------------------------------------------------------------------- resume
+# Epochs of 3 steps, readings every 2 (steps 0, 2, 4, 6, 8), the outlier from step 2 on: readings 2 and 4 flush, so the
+# layer falls back at step 4. A checkpoint after step 2 is off the readings' grid and the fallback comes after it.
+RESUME_AT, FALLBACK_STEP, RUN = 3, 4, 9
+
+
+class OutlierFrom(GPTModule):
+    """The outlier at :data:`LAYER`'s input from global step ``first`` on (the batches repeat each epoch)."""
+
+    def __init__(self, first: int, seed: int = 0) -> None:
+        super().__init__(factor=OUTLIER, seed=seed)
+        self.first = first
+
+    def training_step(self, batch: tuple[torch.Tensor, int], _index: int) -> torch.Tensor:
+        self.faults.on = self.global_step >= self.first
+        return lm_loss(self.gpt, batch[0])
+
+
+def test_a_trainer_run_resumed_off_the_readings_grid_equals_the_uninterrupted_one_fallback_included(
+    tmp_path: Path,
+) -> None:
+    def fit(epochs: int, save: bool = False, checkpoint: Path | None = None) -> tuple[MixedPrecisionPlugin, GPTModule]:
+        plugin = MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=2)
+        module = OutlierFrom(2, seed=0 if checkpoint is None else 1)  # a resumed run's own weights are overwritten
+        saving = [ModelCheckpoint(dirpath=tmp_path, save_last=True)] if save else []
+        run = make_trainer(plugin, max_epochs=epochs, enable_checkpointing=save, callbacks=saving)
+        run.fit(module, loader(range(RESUME_AT)), ckpt_path=checkpoint)
+        return plugin, module
+
+    with pytest.warns(UserWarning, match=rf"FP8 layer `gpt\.{LAYER}` flushed"):
+        whole, uninterrupted = fit(RUN // RESUME_AT)
+    first, _ = fit(1, save=True)  # the checkpoint at the end of epoch 0: after step 2, a check step
+    with pytest.warns(UserWarning, match=rf"FP8 layer `gpt\.{LAYER}` flushed"):
+        resumed, module = fit(RUN // RESUME_AT, save=True, checkpoint=tmp_path / "last.ckpt")
+    assert [check.step for check in resumed.fp8.checks] == [4, 6, 8]  # the uninterrupted run's, after the resume
+    assert [c.fell_back for c in whole.fp8.checks] == [[], [], [f"gpt.{LAYER}"], [], []]  # at step 4 in both
+    assert [c.fell_back for c in resumed.fp8.checks] == [[f"gpt.{LAYER}"], [], []]
+    assert_same_parameters(module, uninterrupted, f"{RUN} steps, resumed after {RESUME_AT}")
+    assert first.fp8.state_dict()["steps"] == RESUME_AT and resumed.fp8.state_dict() == whole.fp8.state_dict()
+
+
+def test_a_fabric_run_resumed_off_the_readings_grid_equals_the_uninterrupted_one_fallback_included(
+    tmp_path: Path,
+) -> None:
+    def run(steps: range, load: Path | None = None) -> tuple[Any, nn.Module]:
+        plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=2)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        model = gpt(seed=0 if load is None else 1)
+        faults = Faults(model.get_submodule(LAYER), factor=OUTLIER)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+        state = {"model": model, "optimizer": optimizer, "amp": plugin}
+        if load is not None:
+            fabric.load(load, state)
+        for step in steps:
+            faults.on = step >= 2
+            fabric.backward(lm_loss(model, tokens(step % RESUME_AT)))  # the batches of 3-step epochs
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.save(tmp_path / "state.pt", state)
+        return plugin, model
+
+    with pytest.warns(UserWarning, match=rf"FP8 layer `{LAYER}` flushed"):
+        whole, uninterrupted = run(range(RUN))
+    first, _ = run(range(RESUME_AT))
+    with pytest.warns(UserWarning, match=rf"FP8 layer `{LAYER}` flushed"):
+        resumed, model = run(range(RESUME_AT, RUN), load=tmp_path / "state.pt")
+    assert [check.step for check in resumed.fp8.checks] == [4, 6, 8]
+    assert [c.fell_back for c in resumed.fp8.checks] == [[LAYER], [], []]
+    assert_same_parameters(model, uninterrupted, f"{RUN} steps, resumed after {RESUME_AT}")
+    assert first.fp8.state_dict()["steps"] == RESUME_AT and resumed.fp8.state_dict() == whole.fp8.state_dict()
 
 
 # -------------------------------------------------------------------------------------------------------- refusals

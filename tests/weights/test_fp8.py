@@ -395,13 +395,13 @@ def test_rowwise_with_gw_hp_reads_only_the_casts_it_makes() -> None:
     assert casts == {"input", "weight", "grad_output", "weight_for_grad_input"}  # grad_weight's GEMM is in bf16
 
 
-def test_no_reading_and_no_hook_outside_check_steps() -> None:
+def test_no_reading_outside_check_steps_and_no_hook_added_or_removed_for_one() -> None:
     model = gpt()
     fp8 = FP8Training(fallback=None)
     fp8.convert(model)
     hooks = {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in fp8.layers.items()}
     fp8.start_check()
-    assert fp8.readings.armed
+    assert fp8.armed
     loss_of(model, 0).backward()
     assert len(fp8.finish_check().readings) == 3 * LINEARS
     assert {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in fp8.layers.items()} == hooks
@@ -520,7 +520,7 @@ def test_a_resumed_run_falls_back_the_same_layers_whether_loaded_before_or_after
     torch.save(state, buffer)  # plain values: loads with weights_only=True
     buffer.seek(0)
     state = torch.load(buffer, weights_only=True)
-    assert state == {"version": 1, "fallen_back": [OUTLIER_LAYER], "streaks": {"lm_head": 1}}
+    assert state == {"version": 2, "steps": 0, "fallen_back": [OUTLIER_LAYER], "streaks": {"lm_head": 1}, "said": []}
 
     after = FP8Training()
     converted_after = gpt()
@@ -539,16 +539,34 @@ def test_a_recorded_layer_the_model_does_not_have_is_said() -> None:
     fp8 = FP8Training()
     fp8.convert(gpt())
     with pytest.warns(UserWarning, match=r"fallen-back layers this model has not converted: \['head'\]"):
-        fp8.load_state_dict({"version": 1, "fallen_back": ["head"], "streaks": {}})
+        fp8.load_state_dict({"version": 2, "steps": 3, "fallen_back": ["head"], "streaks": {}})
     assert fp8.fallen_back == ["head"] and len(fp8.layers) == LINEARS
 
 
-def test_a_state_that_is_not_ours_is_refused() -> None:
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"fallen_back": "lm_head"},
+        {"version": 2, "fallen_back": []},  # version 2 counts its steps
+        {"version": 2, "steps": -1, "fallen_back": []},
+        {"version": 3, "steps": 0, "fallen_back": []},
+    ],
+)
+def test_a_state_that_is_not_ours_is_refused(state: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="Not an FP8 training state"):
-        FP8Training().load_state_dict({"fallen_back": "lm_head"})
+        FP8Training().load_state_dict(state)
 
 
-def test_the_rule_counts_readings_in_a_row_resets_on_a_clean_one_and_none_never_falls_back() -> None:
+def test_a_version_1_state_restores_its_fallbacks_and_counts_and_says_the_steps_start_from_0() -> None:
+    fp8 = FP8Training(check_interval=2)
+    fp8.convert(gpt())
+    with pytest.warns(UserWarning, match=r"version 1\), which did not save the steps counted: the fallen-back layers"):
+        fp8.load_state_dict({"version": 1, "fallen_back": [OUTLIER_LAYER], "streaks": {"lm_head": 1}})
+    assert fp8.fallen_back == [OUTLIER_LAYER] and fp8.rule.streaks == {"lm_head": 1}
+    assert fp8.state_dict()["steps"] == 0
+
+
+def test_the_rule_counts_readings_in_a_row_resets_on_a_clean_one_and_none_names_a_layer_once() -> None:
     def reading(pct: float, layer: str = "fc") -> list[CastReading]:
         return [CastReading(layer, "input", pct, 0.0, 100), CastReading(layer, "grad_output", 0.0, 0.0, 100)]
 
@@ -557,8 +575,10 @@ def test_the_rule_counts_readings_in_a_row_resets_on_a_clean_one_and_none_never_
     assert rule.update(reading(5.0)) == [] and rule.update(reading(1.5, "other")) == []  # no reading: count kept
     assert rule.update(reading(5.0)) == ["fc"]
     assert rule.update(reading(1.0, "edge")) == [] and rule.update(reading(1.0, "edge")) == []  # not above
-    never = FallbackRule(None)
-    assert [never.update(reading(100.0)) for _ in range(3)] == [[], [], []]
+    never = FallbackRule(None)  # watches at 1% and names each layer once (FP8Training warns, never falls back)
+    assert [never.update(reading(100.0)) for _ in range(4)] == [[], ["fc"], [], []]
+    assert never.update(reading(0.5)) == [] and [never.update(reading(2.0)) for _ in range(2)] == [[], []]
+    assert never.state_dict() == {"streaks": {"fc": 2}, "said": ["fc"]}
 
 
 # ------------------------------------------------------------------------------------------------- options, install
@@ -602,20 +622,55 @@ def test_the_package_imports_torchao_lazily_and_refuses_fp8_without_it_naming_th
     assert 'pip install "lightning-amp-plus[fp8]"' in done.stdout
 
 
-def test_a_compiled_model_trains_without_a_graph_break_and_still_names_a_non_finite_input() -> None:
+class GradientTimes(torch.autograd.Function):
+    """The identity in forward; multiplies the gradient by ``factor`` (a tensor: a new value recompiles nothing)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, factor: Tensor) -> Tensor:
+        ctx.save_for_backward(factor)
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (factor,) = ctx.saved_tensors
+        return grad * factor, None
+
+
+class Poison(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.factor = torch.ones(())
+
+    def forward(self, value: Tensor) -> Tensor:
+        out: Tensor = GradientTimes.apply(value, self.factor)
+        return out
+
+
+def test_a_compiled_model_breaks_no_graph_and_still_names_where_a_non_finite_value_started() -> None:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    poison = Poison()
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), poison, nn.Linear(128, 64))
     fp8 = FP8Training()
     fp8.convert(model)
     compiled = torch.compile(model, backend="aot_eager")
     x = torch.randn(32, 64)
-    for _ in range(2):
+
+    def step(value: Tensor) -> list[str]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            compiled(x).float().square().mean().backward()
-    assert fp8.nonfinite_layers() == []
+            compiled(value).float().square().mean().backward()
+        found = fp8.nonfinite_layers()
+        fp8.end_step()
+        return found
+
+    assert [step(x), step(x)] == [[], []]
+    poisoned = x.clone()
+    poisoned[3, 5] = float("nan")
+    assert step(poisoned) == ["0", "3"]  # in forward: the origin, then its spread
+    poison.factor.fill_(float("inf"))
+    assert step(x) == ["0"]  # in backward: the gradient turned non-finite between the layers reaches layer 0 only
+    poison.factor.fill_(1.0)
+    fp8.start_check()
+    assert step(x) == [] and len(fp8.finish_check().readings) == 6
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the check step's second graph, once
     assert not torch._dynamo.utils.counters["graph_break"]
-    x[3, 5] = float("nan")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        compiled(x).float().square().mean().backward()
-    assert fp8.nonfinite_layers() == ["0", "2"]  # forward flags only under compile: the origin, then its spread

@@ -23,7 +23,16 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-__all__ = ["Cast", "all_gathers_in_fp8", "cast_counts", "operand_2d", "recipe_casts", "recipe_config", "recipe_name"]
+__all__ = [
+    "Cast",
+    "all_gathers_in_fp8",
+    "cast_counts",
+    "has_high_precision_gemm",
+    "operand_2d",
+    "recipe_casts",
+    "recipe_config",
+    "recipe_name",
+]
 
 Operand = Literal["input", "weight", "grad_output"]
 
@@ -88,6 +97,14 @@ def all_gathers_in_fp8(recipe: Any) -> bool:
     return not isinstance(recipe, str) and bool(getattr(recipe, "enable_fsdp_float8_all_gather", False))
 
 
+def has_high_precision_gemm(config: Any) -> bool:
+    """Whether a ``Float8LinearConfig`` leaves a GEMM in high precision (``rowwise_with_gw_hp``'s ``grad_weight``)."""
+    from torchao.float8.config import ScalingType
+
+    casts = (config.cast_config_input_for_grad_weight, config.cast_config_grad_output_for_grad_weight)
+    return any(cast.scaling_type is ScalingType.DISABLED for cast in casts)
+
+
 def recipe_casts(config: Any) -> tuple[Cast, ...]:
     """The float8 casts a ``Float8LinearConfig`` makes, in the order of the table above.
 
@@ -129,7 +146,8 @@ def cast_counts(operand: Tensor, cast: Cast) -> Tensor:
     The scale is torchao's (``tensor_to_scale``: the float8 maximum over the amax, per tensor or per row, rounded down
     to a power of two where the recipe does), the cast torchao's (``to_fp8_saturated`` of the FP32 product); a value is
     flushed when it is nonzero and its float8 image is zero, left subnormal when its image is nonzero and below the
-    format's smallest normal number. Allocates about four FP32 copies of the operand: for check steps only.
+    format's smallest normal number. Allocates about four FP32 copies of the operand in eager (check steps only);
+    compiled, inductor fuses them into the counts' reductions.
     """
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_utils import tensor_to_scale, to_fp8_saturated

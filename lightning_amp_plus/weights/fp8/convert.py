@@ -18,28 +18,32 @@ objects (the optimizer and checkpoints see no change), and hooks, buffers and at
 (torchao's swap alone drops them). A second conversion is a no-op: a converted layer is no longer exactly an
 ``nn.Linear``, and the layers named in ``skip`` (those fallen back) stay plain.
 
-**Fallback**: :func:`fall_back` makes a converted layer a plain ``nn.Linear`` again over the same Parameters, so the
-optimizer's state for them carries on.
+**Fallback**: :func:`fall_back` makes a converted layer what it would be had it never been converted, over the same
+Parameters, so the optimizer's state for them carries on: a plain ``nn.Linear``, or, where a wrapper swapped its class
+for a subclass of its own (FSDP2's ``fully_shard`` makes it ``FSDPFloat8Linear``), the class that wrapper gives an
+``nn.Linear`` (``FSDPLinear``: still an ``FSDPModule``, whose gradients FSDP2 reduce-scatters).
+
+The hooks a converted layer gains (:class:`~lightning_amp_plus.weights.fp8.training.LayerGuard`) are attached by
+:func:`~lightning_amp_plus.weights.fp8.training.convert_in_place`, which converts with :func:`convert_layers`.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from torch import Tensor, nn
 
-from lightning_amp_plus.weights.fp8.layer import LayerGuard
-from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
-
 __all__ = [
+    "GUARD",
     "RECIPES",
     "Float8Config",
+    "Guard",
     "ModuleFilter",
     "Modules",
     "Recipe",
-    "convert_in_place",
+    "convert_layers",
     "converted",
     "eligible",
     "fall_back",
@@ -53,7 +57,17 @@ Float8Config = Any
 RECIPES: tuple[Recipe, ...] = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 ModuleFilter = Callable[[nn.Module, str], bool]
 Modules = ModuleFilter | Literal["auto"] | None
-_GUARD = "_fp8_guard"
+GUARD = "_fp8_guard"
+"""The key of a converted layer's :class:`Guard` in its ``__dict__`` (an attribute, not a submodule)."""
+
+
+class Guard(Protocol):
+    """What a converted layer carries under :data:`GUARD`: its hooks and the attributes the conversion added."""
+
+    added: tuple[str, ...]
+
+    def detach(self) -> None:
+        """Remove the hooks."""
 
 
 def eligible(module: nn.Module, name: str = "") -> bool:
@@ -71,41 +85,34 @@ def eligible(module: nn.Module, name: str = "") -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
-def convert_in_place(
-    model: nn.Module,
-    recipe: Recipe | Float8Config,
-    modules: Modules = None,
-    skip: Collection[str] = (),
-    log: NonfiniteLog | None = None,
-) -> dict[str, nn.Linear]:
+def convert_layers(
+    model: nn.Module, config: Float8Config, modules: Modules = None, skip: Collection[str] = ()
+) -> dict[str, tuple[str, ...]]:
     """Convert the chosen Linear layers of ``model`` to torchao's FP8 training layer, in place.
 
     Args:
         model: the model (its submodules are converted; a bare ``nn.Linear`` cannot be replaced in place: wrap it).
-        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
-            (``Float8LinearConfig.from_recipe_name(recipe)``), or a ``Float8LinearConfig`` of one's own (e.g.
-            ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: tensorwise, weights all-gathered in FP8).
+        config: torchao's ``Float8LinearConfig``.
         modules: ``None``, ``"auto"`` or a callable ``(module, name) -> bool`` (see the module's docstring).
         skip: names never to convert (the layers fallen back).
-        log: where the converted layers report non-finite values, or ``None``.
 
     Returns:
-        The layers this call converted, by name, in ``named_modules()`` order.
+        The names of the layers this call converted, in ``named_modules()`` order, each with the names of the
+        attributes torchao's layer added to it (a fallback removes them).
 
     Raises:
         ValueError: ``model`` is itself an eligible ``nn.Linear``.
     """
     from torchao.float8 import convert_to_float8_training
 
-    from lightning_amp_plus.weights.fp8.casts import recipe_config, recipe_name
+    from lightning_amp_plus.weights.fp8.casts import recipe_name
 
     if eligible(model):
         raise ValueError(
             "A bare nn.Linear cannot be converted to FP8 in place (the conversion replaces submodules): wrap it, "
             "e.g. nn.Sequential(linear)."
         )
-    config = recipe_config(recipe)
-    chosen = _chooser(recipe_name(recipe), modules, skip)
+    chosen = _chooser(recipe_name(config), modules, skip)
     picked: dict[str, nn.Linear] = {}
 
     def accept(module: nn.Module, name: str) -> bool:
@@ -116,40 +123,81 @@ def convert_in_place(
         return True
 
     convert_to_float8_training(model, config=config, module_filter_fn=accept)
-    every_device = _has_high_precision_gemm(config)
-    for name, original in picked.items():
-        added = _adopt(model, name, original)
-        guard = LayerGuard(name, every_device, log, (*added, _GUARD))
-        original.__dict__[_GUARD] = guard
-        guard.attach(original)
+    added = {name: _adopt(model, name, original) for name, original in picked.items()}
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    return dict(sorted(picked.items(), key=lambda item: order.get(item[0], len(order))))
+    return dict(sorted(added.items(), key=lambda item: order.get(item[0], len(order))))
 
 
 def fall_back(layer: nn.Module) -> None:
-    """Make a layer converted by :func:`convert_in_place` a plain ``nn.Linear`` again, over the same Parameters.
+    """Make a layer converted here what it would be had it never been converted, over the same Parameters.
+
+    Its hooks and the attributes torchao added go, and its class becomes ``nn.Linear``, or the class a wrapper that
+    swapped the layer's class gives an ``nn.Linear`` (FSDP2's ``fully_shard``: ``FSDPLinear``, see
+    :func:`_class_without_fp8`).
 
     Raises:
-        ValueError: ``layer`` was not converted by :func:`convert_in_place`.
+        ValueError: ``layer`` was not converted here.
     """
-    guard = layer.__dict__.pop(_GUARD, None)
-    if not isinstance(guard, LayerGuard):
+    guard = guard_of(layer)
+    if guard is None:
         raise ValueError(f"{type(layer).__name__} was not converted to FP8 here: nothing to fall back.")
+    plain = _class_without_fp8(type(layer))
+    del layer.__dict__[GUARD]
     guard.detach()
     for key in guard.added:
         layer.__dict__.pop(key, None)
-    layer.__class__ = nn.Linear
+    # The class swap undoes the conversion's own (_adopt): tests/distributed/test_fp8_distributed.py checks that a
+    # layer fully_shard wrapped stays an FSDPModule and trains under no_backward_sync.
+    layer.__class__ = plain
+
+
+def _class_without_fp8(cls: type) -> type:
+    """``nn.Linear`` for torchao's ``Float8Linear``; for a wrapper's subclass of it, that wrapper's ``nn.Linear`` class.
+
+    FSDP2's ``fully_shard`` gives a module the class ``FSDP<cls>(FSDPModule, <cls>)``, made once per class and kept
+    in its cache (``get_cls_to_fsdp_cls``): a layer sharded after its conversion is ``FSDPFloat8Linear``, and falls
+    back to the ``FSDPLinear`` that ``fully_shard`` gives a Linear never converted (the cached class, made the same
+    way and cached if no Linear was sharded yet). A plain ``Linear`` would no longer be an ``FSDPModule``: Lightning
+    Fabric's ``no_backward_sync`` and FSDP2 itself look for that class, and the layer would silently stop training.
+    """
+    from torchao.float8.float8_linear import Float8Linear
+
+    if cls is Float8Linear:
+        return nn.Linear
+    if Float8Linear not in cls.__bases__:
+        raise ValueError(f"{cls.__name__} is not Float8Linear nor a wrapper's subclass of it: no way back to bf16.")
+    bases = tuple(nn.Linear if base is Float8Linear else base for base in cls.__bases__)
+    cache = _wrapper_classes(cls)
+    known = cache.get(nn.Linear)
+    if known is not None and known.__bases__ == bases:
+        return known
+    namespace = {key: value for key, value in vars(cls).items() if key not in ("__dict__", "__weakref__")}
+    name = cls.__name__.replace(Float8Linear.__name__, nn.Linear.__name__)
+    plain = type(name, bases, {**namespace, "__qualname__": name})
+    cache[nn.Linear] = plain
+    return plain
+
+
+def _wrapper_classes(cls: type) -> dict[type, type]:
+    """The cache of wrapper classes the wrapper behind ``cls`` keeps (FSDP2's), or a fresh dict for another wrapper."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if issubclass(cls, FSDPModule):
+        # fully_shard's own cache (torch 2.14 names it in its module's __all__; not re-exported by the package).
+        from torch.distributed.fsdp._fully_shard._fully_shard import get_cls_to_fsdp_cls
+
+        return get_cls_to_fsdp_cls()
+    return {}
 
 
 def converted(layer: nn.Module) -> bool:
-    """Whether ``layer`` was converted by :func:`convert_in_place` and has not fallen back."""
+    """Whether ``layer`` was converted here and has not fallen back."""
     return guard_of(layer) is not None
 
 
-def guard_of(layer: nn.Module) -> LayerGuard | None:
-    """The hooks :func:`convert_in_place` attached to ``layer``, or ``None``."""
-    guard = layer.__dict__.get(_GUARD)
-    return guard if isinstance(guard, LayerGuard) else None
+def guard_of(layer: nn.Module) -> Guard | None:
+    """The hooks the conversion attached to ``layer``, or ``None``."""
+    return layer.__dict__.get(GUARD)
 
 
 def _chooser(recipe: str, modules: Modules, skip: Collection[str]) -> ModuleFilter:
@@ -184,14 +232,6 @@ def _adopt(model: nn.Module, name: str, original: nn.Module) -> tuple[str, ...]:
     original.__class__ = type(built)
     setattr(parent, child, original)
     return added
-
-
-def _has_high_precision_gemm(config: Any) -> bool:
-    """Whether the recipe leaves a GEMM in high precision (``rowwise_with_gw_hp``'s ``grad_weight``)."""
-    from torchao.float8.config import ScalingType
-
-    casts = (config.cast_config_input_for_grad_weight, config.cast_config_grad_output_for_grad_weight)
-    return any(cast.scaling_type is ScalingType.DISABLED for cast in casts)
 
 
 def warn_what_stays_in_bf16(

@@ -1,8 +1,8 @@
 """FP8 training of a model's Linear layers on torchao, in one object a training loop (or a precision plugin) drives.
 
 :class:`FP8Training` holds the choices (recipe, which layers, how often to read the casts, when to fall back) and the
-state of a run: the converted layers, the layers fallen back, the readings' counts, the non-finite flags. A loop calls
-:meth:`~FP8Training.convert` once before building the optimizer, then either
+state of a run: the converted layers, the layers fallen back, the steps counted, the fallback rule's counts. A loop
+calls :meth:`~FP8Training.convert` once before building the optimizer, then either
 
 * :meth:`~FP8Training.before_forward` before each training forward and :meth:`~FP8Training.after_step` after each
   optimizer step, skipped or not (what the precision plugins do: the check steps come every ``check_interval`` steps,
@@ -10,33 +10,65 @@ state of a run: the converted layers, the layers fallen back, the readings' coun
 * each part itself: :meth:`~FP8Training.start_check` before the forward of a check step and
   :meth:`~FP8Training.finish_check` after its optimizer step, :meth:`~FP8Training.nonfinite_layers` when a step was
   skipped, and :meth:`~FP8Training.end_step` after every step.
+
+**What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the two
+hooks of each converted layer (:class:`LayerGuard`), two identity autograd functions around it (:class:`_Probe` on
+its input, :class:`_Carry` on its output), and the two calls around the step. The non-finite flags come from values
+the casts produce (the first column of the layer's output in forward; the first column of the gradient it hands to
+its input in backward: see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each becomes
+the gradient of a small leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check step the
+same hooks count the casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way: no hook is
+added or removed, one switch is turned.
+
+**Under torch.compile** all of it compiles into the graph without a break: a hook reads tensors (graph inputs it does
+not write), one switch (``reading``: a check step compiles a second graph, once) and each layer's position in the
+forward order, noted when dynamo traces the forward (:func:`_note_position`). Nothing else recompiles.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_amp_plus._checks import check_int, real, show
-from lightning_amp_plus.weights.fp8.casts import all_gathers_in_fp8
+from lightning_amp_plus._checks import show
+from lightning_amp_plus.weights.fp8.casts import (
+    Cast,
+    all_gathers_in_fp8,
+    has_high_precision_gemm,
+    recipe_casts,
+    recipe_config,
+)
 from lightning_amp_plus.weights.fp8.convert import (
-    RECIPES,
+    GUARD,
     Float8Config,
     Modules,
     Recipe,
-    convert_in_place,
-    converted,
+    convert_layers,
     fall_back,
     warn_what_stays_in_bf16,
 )
 from lightning_amp_plus.weights.fp8.fallback import FallbackRule
-from lightning_amp_plus.weights.fp8.nonfinite import NonfiniteLog
-from lightning_amp_plus.weights.fp8.readings import CastReading, Readings, worst_flush
+from lightning_amp_plus.weights.fp8.nonfinite import snapshot
+from lightning_amp_plus.weights.fp8.options import (
+    DEFAULT_CHECK_INTERVAL,
+    DEFAULT_FALLBACK,
+    DEFAULT_RECIPE,
+    check_all_gather,
+    check_check_interval,
+    check_fallback,
+    check_modules,
+    check_recipe,
+    require_torchao,
+)
+from lightning_amp_plus.weights.fp8.readings import COLUMNS, CastReading, count_rows, readings_of, worst_flush
 
 __all__ = [
     "DEFAULT_CHECK_INTERVAL",
@@ -44,123 +76,15 @@ __all__ = [
     "DEFAULT_RECIPE",
     "FP8Check",
     "FP8Training",
+    "LayerGuard",
     "Outcome",
-    "check_check_interval",
-    "check_fallback",
-    "check_modules",
-    "check_recipe",
-    "require_torchao",
+    "convert_in_place",
+    "input_as_cast",
+    "nonfinite_flag",
 ]
 
-# Chosen from benchmarks/bench_fp8.py (docs/fp8.md, "What was measured"): the three recipes train the tiny GPT alike
-# and tensorwise is the fastest on GPUs; a check every 50 steps costs about 1% of a CPU step and falls back within
-# 100 steps (95-96% of the loss gap recovered; at 100 a late outlier is never caught); 1% flushed is above every clean
-# layer at two readings in a row (at most 0.65%) and far below the outlier layers (28-53%).
-DEFAULT_RECIPE: Recipe = "tensorwise"
-DEFAULT_CHECK_INTERVAL = 50
-DEFAULT_FALLBACK: float | None = 1.0
-INSTALL = 'pip install "lightning-amp-plus[fp8]"'
-
-
-def require_torchao(owner: str = "FP8Training") -> None:
-    """Raise ``ModuleNotFoundError`` naming the install command unless torchao's float8 training can be imported."""
-    try:
-        import torchao.float8  # noqa: F401
-    except ImportError as error:
-        raise ModuleNotFoundError(
-            f"`{owner}` trains in FP8 with torchao, which is not installed ({error}): {INSTALL} (torchao 0.18.0)."
-        ) from None
-
-
-def check_recipe(owner: str, name: str, value: object) -> Recipe | Float8Config:
-    """``value`` if it is a recipe name or a torchao ``Float8LinearConfig``, else ``ValueError``.
-
-    The names are :data:`~lightning_amp_plus.weights.fp8.convert.RECIPES`.
-
-    Examples:
-        >>> check_recipe("MixedPrecisionPlugin", "fp8_recipe", "delayed")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `MixedPrecisionPlugin(fp8_recipe='delayed')` is not an FP8 recipe: use 'tensorwise', 'rowwise' or...
-    """
-    for recipe in RECIPES:
-        if value == recipe:
-            return recipe
-    if not isinstance(value, str) and _is_float8_config(value):
-        return value
-    raise ValueError(
-        f"`{owner}({name}={show(value)})` is not an FP8 recipe: use 'tensorwise', 'rowwise' or 'rowwise_with_gw_hp' "
-        "(or a torchao Float8LinearConfig)."
-    )
-
-
-def _is_float8_config(value: object) -> bool:
-    try:
-        from torchao.float8 import Float8LinearConfig
-    except ImportError:  # without torchao nothing is a config of it
-        return False
-    return isinstance(value, Float8LinearConfig)
-
-
-def check_all_gather(owner: str, recipe: object, fallback: float | None, names: tuple[str, str]) -> None:
-    """Refuse a fallback with weights all-gathered in FP8 under FSDP2 (``enable_fsdp_float8_all_gather``).
-
-    A fallen-back layer would keep torchao's all-gather weight type, whose scale
-    ``precompute_float8_dynamic_scale_for_fsdp`` refreshes only for FP8 layers: its weights would be gathered in FP8
-    under a stale scale. ``names``: how ``owner`` calls the recipe and the fallback arguments.
-    """
-    from lightning_amp_plus.weights.fp8.casts import all_gathers_in_fp8
-
-    if fallback is not None and not isinstance(recipe, str) and all_gathers_in_fp8(recipe):
-        raise ValueError(
-            f"`{owner}({names[0]}=Float8LinearConfig(enable_fsdp_float8_all_gather=True), {names[1]}={fallback!r})`: "
-            "a layer that falls back would keep torchao's FP8 all-gather weight, whose scale torchao refreshes only "
-            "for FP8 layers, so FSDP2 would gather it in FP8 under a stale scale. Pass "
-            f"{names[1]}=None (read and warn, never fall back), or all-gather in bf16 (drop "
-            "enable_fsdp_float8_all_gather)."
-        )
-
-
-def check_modules(owner: str, name: str, value: object) -> Modules:
-    """``value`` if it is ``None``, ``"auto"`` or callable, else ``TypeError``.
-
-    Examples:
-        >>> check_modules("MixedPrecisionPlugin", "fp8_modules", ["fc1"])  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        TypeError: `MixedPrecisionPlugin(fp8_modules=['fc1'])` must be None (every eligible Linear), 'auto' (torch...
-    """
-    if value is None or value == "auto" or callable(value):
-        return value
-    raise TypeError(
-        f"`{owner}({name}={show(value)})` must be None (every eligible Linear), 'auto' (torchao's speed filter) or a "
-        "callable (module, name) -> bool, e.g. lambda module, name: name != 'lm_head'."
-    )
-
-
-def check_check_interval(owner: str, name: str, value: object) -> int:
-    """``value`` as an int >= 1, else ``ValueError``."""
-    return check_int(owner, name, value, minimum=1, hint=", e.g. 50 (read the casts every 50 optimizer steps)")
-
-
-def check_fallback(owner: str, name: str, value: object) -> float | None:
-    """``None``, or ``value`` as a float in (0, 100), else ``ValueError``.
-
-    Examples:
-        >>> check_fallback("MixedPrecisionPlugin", "fp8_fallback", 0)  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ValueError: `MixedPrecisionPlugin(fp8_fallback=0)` must be None (never fall back) or a percent in (0, 100)...
-    """
-    number = real(value)
-    if value is None:
-        return None
-    if number is None or not 0 < number < 100:
-        raise ValueError(
-            f"`{owner}({name}={show(value)})` must be None (never fall back) or a percent in (0, 100), e.g. 1.0 (a "
-            "layer flushing more than 1% of a cast's values at two readings in a row goes back to bf16)."
-        )
-    return number
+STATE_VERSION = 2
+"""The :meth:`FP8Training.state_dict` format: 2 holds the steps counted; 1 (read too) did not."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +120,320 @@ def _resolved(outcome: Outcome) -> bool:
     return bool(getattr(outcome, "resolved", True))
 
 
+# ----------------------------------------------------------------------------------------------- one layer's hooks
+def input_as_cast(value: Any, every_device: bool) -> Any:
+    """``value`` as the FP8 layer's casts take it.
+
+    In CUDA's autocast dtype under CUDA autocast (torchao's own rule), and, if ``every_device``, in the autocast dtype
+    of its device under that device's autocast. torchao 0.18 casts a layer's input only under CUDA autocast; a recipe
+    that computes a GEMM in high precision (``rowwise_with_gw_hp``'s ``grad_weight``) then multiplies a bf16 gradient
+    by an FP32 input under CPU autocast and fails: for such recipes the input is cast on every device.
+
+    Examples:
+        >>> x = torch.ones(2, 16)
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     input_as_cast(x, every_device=False).dtype, input_as_cast(x, every_device=True).dtype
+        (torch.float32, torch.bfloat16)
+    """
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        return value
+    if torch.is_autocast_enabled("cuda"):
+        return value.to(torch.get_autocast_dtype("cuda"))
+    device = value.device.type
+    if every_device and device != "cuda" and torch.is_autocast_enabled(device):
+        return value.to(torch.get_autocast_dtype(device))
+    return value
+
+
+class _Run:
+    """What the guards of one :class:`FP8Training` share.
+
+    Attributes:
+        reading: whether the casts are read (a check step): the one switch a compiled graph depends on.
+        positions: the next position in the forward order.
+        device: where the guards' tensors were placed last (``None``: to be placed before the next forward).
+    """
+
+    def __init__(self) -> None:
+        self.reading = False
+        self.positions = 0
+        self.device: torch.device | None = None
+
+
+def nonfinite_flag(value: Tensor) -> Tensor:
+    """A 0-d FP32 tensor on ``value``'s device: 0 if ``value`` is all finite, NaN otherwise (no host sync).
+
+    Examples:
+        >>> nonfinite_flag(torch.ones(2, 2)), nonfinite_flag(torch.tensor([[1.0, float("inf")]]))
+        (tensor(0.), tensor(nan))
+    """
+    if not value.numel():
+        return torch.zeros((), dtype=torch.float32, device=value.device)
+    low, high = torch.aminmax(value)
+    # x * 0 is 0 for a finite x and NaN for NaN or +-inf.
+    return (low.float() * 0).add_(high.float(), alpha=0)
+
+
+class _Probe(torch.autograd.Function):
+    """The identity on a layer's input; in backward, the flag of what the layer's backward casts met.
+
+    The gradient the layer hands back to its input is ``grad_output @ weight`` from float8 casts of ``grad_output``:
+    a non-finite value anywhere in a row of ``grad_output`` makes that row's scale (or the tensor's) non-finite, and
+    so the whole row of this gradient, its first column included. The flag (0, or NaN) becomes the gradient of the
+    layer's ``backward_sink``, a leaf tensor: autograd adds it up over micro-batches, on the device, in eager and
+    compiled backward alike (a hook writing a tensor from backward would not compile).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, sink: Tensor) -> Tensor:
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, nonfinite_flag(grad[..., :1])
+
+
+class _Carry(torch.autograd.Function):
+    """The identity on a layer's output; carries the forward's flag into backward, as the gradient of a sink.
+
+    Written in place, the flag would be one more input the compiled graph mutates, which reorders how inductor fuses
+    the model's own kernels (measured: the parameters then differ from torchao's compiled path, 1.3e-2 after 4 steps
+    of the tiny Llama under the Trainer); carried, it is one more value the forward saves for backward, and the
+    kernels stay torchao's (tests/plugins/test_fp8_compile.py).
+
+    Given ``backward_sink`` (a layer whose input needs no gradient, so that no :class:`_Probe` sees its backward), the
+    backward flag is taken here, from the whole output gradient its casts read.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, value: Tensor, sink: Tensor, flag: Tensor, backward_sink: Tensor | None) -> Tensor:
+        ctx.save_for_backward(flag)
+        ctx.whole = backward_sink is not None
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, Tensor | None]:
+        (flag,) = ctx.saved_tensors
+        return grad, flag, None, nonfinite_flag(grad) if ctx.whole else None
+
+
+class _CarryCounts(torch.autograd.Function):
+    """:class:`_Carry` on a check step: with the forward casts' counts, and the output-gradient casts' counted here.
+
+    All of a layer's counts (:func:`~lightning_amp_plus.weights.fp8.readings.count_rows`: the forward casts' rows, then
+    the output-gradient casts') become the gradient of its ``count_sink``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        value: Tensor,
+        sink: Tensor,
+        flag: Tensor,
+        backward_sink: Tensor | None,
+        count_sink: Tensor,
+        counts: Tensor,
+        casts: tuple[Cast, ...],
+    ) -> Tensor:
+        ctx.save_for_backward(flag, counts)
+        ctx.whole = backward_sink is not None
+        ctx.casts = casts
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, Tensor | None, Tensor, None, None]:
+        flag, counts = ctx.saved_tensors
+        with torch.no_grad():
+            counts = torch.cat([counts, count_rows(ctx.casts, {"grad_output": grad}, grad.device)])
+        return grad, flag, None, nonfinite_flag(grad) if ctx.whole else None, counts, None, None
+
+
+def _note_position(guard: LayerGuard) -> bool:
+    """Give ``guard`` the next position in the forward order, once."""
+    run = guard.run
+    if guard.position < 0 and run is not None:
+        guard.position = run.positions
+        run.positions += 1
+    return True
+
+
+# torch.compile runs a function marked so when dynamo traces the forward (in the forward's order) and puts its
+# constant result in the graph: the position is noted without a side effect to replay or a guard on it, which a plain
+# attribute write would bring (a recompile per step). tests/plugins/test_fp8_compile.py counts the graphs.
+_note_position_once: Callable[[LayerGuard], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
+    _note_position
+)
+
+
+class LayerGuard:
+    """The hooks of one converted layer, and its flags and counts on the device.
+
+    The forward pre-hook leaves inference mode where it is on (torchao's float8 tensor cannot run under it: the
+    forward runs as under ``torch.no_grad()``, the same numbers), casts the input as torchao does under CUDA autocast
+    for a recipe with a high-precision GEMM (:func:`input_as_cast`), and wraps a training input in :class:`_Probe`.
+    The forward hook flags the output's first column (see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`), on check
+    steps counts the input and weight casts, and wraps the output in :class:`_Carry` (:class:`_CarryCounts`), which
+    hands both to backward. An output that needs no gradient (a frozen layer on a frozen input) has no backward: its
+    flag and counts are added in place to :attr:`flag` and :attr:`counts`. A guard without ``run`` only casts and
+    leaves inference mode.
+
+    Args:
+        name: the layer's name (``named_modules()`` of the model that was converted).
+        config: torchao's ``Float8LinearConfig`` of the layer.
+        added: the attribute names the conversion added to the module (removed again by a fallback).
+        run: what the guards of one :class:`FP8Training` share, or ``None``.
+
+    Attributes:
+        flag: 0-d FP32, NaN once the forward casts met a non-finite value (forwards without backward).
+        forward_sink: 0-d FP32 leaf; its gradient is NaN once the forward casts met a non-finite value.
+        backward_sink: 0-d FP32 leaf; its gradient is NaN once the backward casts met one.
+        counts: the forward casts' counts on check steps (forwards without backward: their rows of :attr:`casts`).
+        count_sink: a leaf whose gradient holds the counts of every cast of :attr:`casts` on check steps.
+        position: the layer's place in the forward order (-1 before its first forward).
+    """
+
+    def __init__(self, name: str, config: Float8Config, added: tuple[str, ...], run: _Run | None) -> None:
+        self.name = name
+        self.added = added
+        self.run = run
+        self.cast_every_device = has_high_precision_gemm(config)
+        casts = recipe_casts(config)
+        self.casts = (
+            *(cast for cast in casts if cast.operand != "grad_output"),
+            *(cast for cast in casts if cast.operand == "grad_output"),
+        )
+        self.forward_casts = sum(cast.operand != "grad_output" for cast in casts)
+        self.position = -1
+        self.handles: list[RemovableHandle] = []
+        # One entry per call, popped by `after` (which runs even when the forward raises): calls may nest.
+        self._open: list[ExitStack | None] = []
+        self.flag = self.forward_sink = self.backward_sink = self.counts = self.count_sink = torch.empty(0)
+
+    def attach(self, layer: nn.Module) -> None:
+        """Register the hooks on ``layer`` and place the tensors on its weight's device."""
+        layer.__dict__[GUARD] = self
+        self.place(layer.get_parameter("weight").device)
+        self.handles = [
+            layer.register_forward_pre_hook(self.before, with_kwargs=True),
+            layer.register_forward_hook(self.after, with_kwargs=True, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        """Remove the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def place(self, device: torch.device) -> None:
+        """(Re)make the flags and counts on ``device`` (zero), unless they are there."""
+        if self.flag.device == device and self.flag.ndim == 0:
+            return
+        self.flag = torch.zeros((), dtype=torch.float32, device=device)
+        self.forward_sink = torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
+        self.backward_sink = torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
+        self.counts = torch.zeros(self.forward_casts, COLUMNS, dtype=torch.float64, device=device)
+        self.count_sink = torch.zeros(len(self.casts), COLUMNS, dtype=torch.float64, device=device, requires_grad=True)
+
+    def before(self, _layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The forward pre-hook: leave inference mode if on, note the layer's position, cast and wrap the input."""
+        compiling = torch.compiler.is_compiling()
+        region = None
+        # torch.compile cannot trace the inference-mode test (a graph break per layer), and needs no help there: a
+        # compiled FP8 model runs under inference mode as it is.
+        if not compiling:
+            if torch.is_inference_mode_enabled():
+                region = ExitStack()
+                region.enter_context(torch.inference_mode(False))
+                region.enter_context(torch.no_grad())
+            self._open.append(region)
+        if self.run is not None and (compiling or self.position < 0):
+            _note_position_once(self)
+        given = args[0] if args else kwargs.get("input")
+        value = input_as_cast(given, every_device=True) if self.cast_every_device else given
+        if self.run is not None and isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled():
+            value = _Probe.apply(value, self.backward_sink)
+        if value is given:
+            return None
+        return ((value, *args[1:]), kwargs) if args else (args, {**kwargs, "input": value})
+
+    def after(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+        """The forward hook (also when the forward raised): restore inference mode, or mark and read the output."""
+        if not torch.compiler.is_compiling():
+            region = self._open.pop() if self._open else None
+            if region is not None:
+                region.close()
+                return None
+        run = self.run
+        if run is None or not isinstance(output, Tensor) or not torch.is_grad_enabled() or not output.numel():
+            return None
+        if self.flag.device != output.device:
+            self.place(output.device)  # moved since the conversion (a compiled step has them placed beforehand)
+        flag = nonfinite_flag(output[..., :1].detach())
+        given = args[0] if args else kwargs.get("input")
+        counts = self._count(layer, given) if run.reading else None
+        if output.requires_grad:
+            # The pre-hook probed an input that needs a gradient; for another, the output's gradient is read whole.
+            probed = isinstance(given, Tensor) and given.requires_grad
+            unprobed = None if probed else self.backward_sink
+            if counts is None:
+                carried: Tensor = _Carry.apply(output, self.forward_sink, flag, unprobed)
+            else:
+                casts = self.casts[self.forward_casts :]
+                carried = _CarryCounts.apply(output, self.forward_sink, flag, unprobed, self.count_sink, counts, casts)
+            return carried
+        self.flag.add_(flag)  # NaN once anything non-finite was seen, until the step's end
+        if counts is not None:
+            self.counts.add_(counts)
+        return None
+
+    def _count(self, layer: nn.Module, value: Any) -> Tensor:
+        """On a check step: the input and weight casts' counts (one row per forward cast of :attr:`casts`)."""
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor
+
+        operands = {"input": value} if isinstance(value, Tensor) else {}
+        weight = layer.get_parameter("weight")
+        # A weight FSDP2 all-gathered in float8 was cast from the shards: its high-precision values never reach here.
+        if not isinstance(weight, Float8TrainingTensor):
+            operands["weight"] = weight
+        with torch.no_grad():
+            return count_rows(self.casts[: self.forward_casts], operands, weight.device)
+
+
+def convert_in_place(
+    model: nn.Module,
+    recipe: Recipe | Float8Config,
+    modules: Modules = None,
+    skip: Collection[str] = (),
+    run: _Run | None = None,
+) -> dict[str, nn.Linear]:
+    """Convert the chosen Linear layers of ``model`` to torchao's FP8 training layer, in place, each with its hooks.
+
+    Args:
+        model: the model (its submodules are converted; a bare ``nn.Linear`` cannot be replaced in place: wrap it).
+        recipe: ``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``
+            (``Float8LinearConfig.from_recipe_name(recipe)``), or a ``Float8LinearConfig`` of one's own (e.g.
+            ``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``: tensorwise, weights all-gathered in FP8).
+        modules: ``None``, ``"auto"`` or a callable ``(module, name) -> bool``
+            (:mod:`~lightning_amp_plus.weights.fp8.convert`).
+        skip: names never to convert (the layers fallen back).
+        run: the run whose flags and readings the layers keep (:class:`FP8Training`'s), or ``None``.
+
+    Returns:
+        The layers this call converted, by name, in ``named_modules()`` order.
+
+    Raises:
+        ValueError: ``model`` is itself an eligible ``nn.Linear``.
+    """
+    config = recipe_config(recipe)
+    layers: dict[str, nn.Linear] = {}
+    for name, added in convert_layers(model, config, modules, skip).items():
+        layer = model.get_submodule(name)
+        LayerGuard(name, config, added, run).attach(layer)
+        layers[name] = layer  # type: ignore[assignment]  # torchao's Float8Linear, an nn.Linear
+    return layers
+
+
+# ------------------------------------------------------------------------------------------------------- the run
 class FP8Training:
     """FP8 training of a model's eligible Linear layers with torchao, readings of its casts and a fallback to bf16.
 
@@ -208,7 +446,7 @@ class FP8Training:
             ``(module, name) -> bool`` (see :mod:`~lightning_amp_plus.weights.fp8.convert`).
         check_interval: read the casts every this many optimizer steps (:meth:`is_check_step`).
         fallback: percent flushed above which a layer, at two readings in a row, goes back to bf16; ``None`` to
-            only read.
+            only read and warn (once per layer flushing more than 1% at two readings in a row).
         owner: the class named in error messages and warnings (a front end passes its own).
 
     Attributes:
@@ -221,7 +459,6 @@ class FP8Training:
 
     Examples:
         >>> import pytest; _ = pytest.importorskip("torchao.float8")  # the example needs the fp8 extra
-        >>> import torch
         >>> _ = torch.manual_seed(0)
         >>> model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 10))  # 64x10: not eligible
         >>> fp8 = FP8Training("tensorwise")
@@ -251,26 +488,32 @@ class FP8Training:
         self.owner = owner
         require_torchao(owner)
         check_all_gather(owner, self.recipe, self.rule.threshold_pct, ("recipe", "fallback"))
-        self.log = NonfiniteLog()
-        self.readings = Readings()
         self.checks: deque[FP8Check] = deque(maxlen=16)
-        self._layers: dict[str, nn.Linear] = {}
+        self._run = _Run()
+        self._layers: dict[str, nn.Linear] = {}  # every layer converted, fallen back or not
+        self._guards: dict[str, LayerGuard] = {}  # the layers in FP8 now
         self._fallen: list[str] = []
-        self._steps = 0  # optimizer steps seen by after_step
+        self._steps = 0  # optimizer steps seen by after_step (saved: a resumed run reads at the same steps)
         # The non-finite flags of skipped steps (and, on a fused optimizer's path, of steps whose skip is still on the
         # device), each with the step's outcome, oldest first: what nonfinite_layers reads once the current step's
         # flags are clear.
-        self._flags: list[tuple[Outcome, Callable[[], list[str]]]] = []
+        self._kept: list[tuple[Outcome, Callable[[], list[str]]]] = []
+        self._all_gather = all_gathers_in_fp8(self.recipe)
 
     @property
     def layers(self) -> dict[str, nn.Linear]:
         """The layers training in FP8 now, by name (converted and not fallen back)."""
-        return {name: layer for name, layer in self._layers.items() if converted(layer)}
+        return {name: self._layers[name] for name in self._guards}
 
     @property
     def fallen_back(self) -> list[str]:
         """The layers sent back to bf16, in the order they fell back."""
         return list(self._fallen)
+
+    @property
+    def armed(self) -> bool:
+        """Whether the casts are read (between :meth:`start_check` and :meth:`finish_check`)."""
+        return self._run.reading
 
     def convert(self, model: nn.Module) -> list[str]:
         """Convert ``model``'s chosen layers in place (a second call converts only what is new); return their names.
@@ -278,9 +521,11 @@ class FP8Training:
         Warns, at the first conversion, when the model ends up with no FP8 layer at all (saying why), or when some of
         its layers with a weight matrix are not ``nn.Linear`` (they compute in bf16: GPT-2's ``Conv1D``).
         """
-        before = len(self.layers)
-        now = convert_in_place(model, self.recipe, self.modules, skip=set(self._fallen), log=self.log)
+        before = len(self._guards)
+        now = convert_in_place(model, self.recipe, self.modules, skip=set(self._fallen), run=self._run)
         self._layers.update(now)
+        self._guards.update({name: layer.__dict__[GUARD] for name, layer in now.items()})
+        self._run.device = None  # placed before the next forward, where the model will be by then
         warn_what_stays_in_bf16(now, before, model, self.modules)
         return list(now)
 
@@ -290,43 +535,86 @@ class FP8Training:
 
     def start_check(self) -> None:
         """Read the casts of every FP8 layer until :meth:`finish_check` (call before the step's first forward)."""
-        self.readings.arm(self.layers)
+        self._place()
+        self._run.reading = bool(self._guards)
 
     def finish_check(
         self, reduce: Callable[[Tensor], Tensor] | None = None, warn: Callable[[str], None] | None = None
     ) -> FP8Check:
         """Read the check step's casts (one host sync), apply the fallback rule, and fall back the layers it names.
 
+        With ``fallback=None``, a layer the rule names (more than 1% flushed at two readings in a row) is warned about
+        instead, once.
+
         Args:
             reduce: applied to the counts before they are read (e.g. a SUM all-reduce across data-parallel ranks, so
                 that every rank falls back the same layers).
             warn: says that a layer fell back (default: a ``UserWarning``; a plugin passes rank zero's warning).
         """
-        readings = self.readings.take(reduce)
+        self._run.reading = False
+        readings = self._take_readings(reduce)
         due = self.rule.update(readings)
         worst = worst_flush(readings)
+        falls = self.rule.threshold_pct is not None
         for name in due:
             reading = worst[name]
-            self.fall_back(name)
-            message = (
+            said = (
                 f"FP8 layer `{name}` flushed {reading.flushed_pct:.2f}% of its {reading.cast} cast's nonzero values "
-                f"to zero at {self.rule.in_a_row} readings in a row (fallback above {self.rule.threshold_pct:g}%): it "
-                "computes in bf16 from now on, over the same parameters and optimizer state."
+                f"to zero at {self.rule.in_a_row} readings in a row (above {self.rule.limit_pct:g}%)"
             )
+            if falls:
+                self.fall_back(name)
+                message = f"{said}: it computes in bf16 from now on, over the same parameters and optimizer state."
+            else:
+                message = (
+                    f"{said}; with fp8_fallback=None it stays in FP8. Pass fp8_fallback={self.rule.limit_pct:g} to "
+                    "send such a layer back to bf16, or keep it out of FP8 with fp8_modules. Said once per layer."
+                )
             if warn is None:
                 warnings.warn(message, UserWarning, stacklevel=2)
             else:
                 warn(message)
-        return FP8Check(readings, due)
+        return FP8Check(readings, due if falls else [])
+
+    def _take_readings(self, reduce: Callable[[Tensor], Tensor] | None) -> list[CastReading]:
+        guards = self._in_forward_order()
+        if not guards:
+            return []
+        keys, rows, grads = [], [], []
+        for guard in guards:
+            keys += [(guard.name, cast.name) for cast in guard.casts]
+            carried = guard.count_sink.grad
+            # The forward rows added in place (forwards without backward) on top of those carried to backward.
+            padded = torch.nn.functional.pad(guard.counts, (0, 0, 0, len(guard.casts) - guard.forward_casts))
+            rows.append(padded if carried is None else carried + padded)
+            grads += [] if carried is None else [carried]
+        device = rows[0].device
+        counts = torch.cat([row.to(device) for row in rows])
+        torch._foreach_zero_([*(guard.counts for guard in guards), *grads])
+        return readings_of(keys, counts, reduce)
+
+    def _in_forward_order(self) -> list[LayerGuard]:
+        """The FP8 layers' guards, those that ran in the order they first ran, then the others by name."""
+        guards = list(self._guards.values())
+        ran = sorted((guard for guard in guards if guard.position >= 0), key=lambda guard: guard.position)
+        return ran + sorted((guard for guard in guards if guard.position < 0), key=lambda guard: guard.name)
 
     def before_forward(self) -> None:
         """Before each training forward (each micro-batch's): arm the readings if the coming step is a check step.
 
         The coming step is the number of steps :meth:`after_step` has seen (a check every ``check_interval`` steps,
-        from step 0); once armed, the readings stay on until :meth:`after_step`, so micro-batches add up.
+        from step 0); once armed, the readings stay on until :meth:`after_step`, so micro-batches add up. The first
+        call after a conversion places the flags on the layers' devices.
         """
-        if self.is_check_step(self._steps) and not self.readings.armed and self.layers:
+        if self._run.device is None:
+            self._place()
+        if self.is_check_step(self._steps) and not self._run.reading:
             self.start_check()
+
+    def _place(self) -> None:
+        for name, guard in self._guards.items():
+            guard.place(self._layers[name].weight.device)
+            self._run.device = guard.flag.device
 
     def after_step(
         self,
@@ -341,7 +629,7 @@ class FP8Training:
            fallback rule applied (:meth:`finish_check`); the result is returned and kept in :attr:`checks`.
         2. If the step was skipped for non-finite gradients (``outcome.overflowed``), its flags are kept for
            :meth:`nonfinite_layers`: read from the device only when asked. Where the skip is still on the device (a
-           fused optimizer's step: ``outcome.resolved`` is false), the flags are kept without reading it.
+           fused optimizer's pending step: ``outcome.resolved`` is false), the flags are kept without reading it.
         3. The flags are cleared; with the weights all-gathered in FP8 under FSDP2, their scales are computed for the
            next all-gather (torchao's ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce).
 
@@ -354,19 +642,18 @@ class FP8Training:
             warn: says that a layer fell back (see :meth:`finish_check`).
         """
         check = None
-        if self.readings.armed:
+        if self._run.reading:
             found = self.finish_check(reduce, warn)
             check = FP8Check(found.readings, found.fell_back, self._steps)
             self.checks.append(check)
         if outcome is not None and (not _resolved(outcome) or outcome.overflowed):
             # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
             # over every weight at every step would cost more than the step's flags).
-            weights = self._weights() if _resolved(outcome) else {}
-            kept = [(earlier, names) for earlier, names in self._flags if not _resolved(earlier) or earlier.overflowed]
+            kept = [(earlier, names) for earlier, names in self._kept if not _resolved(earlier) or earlier.overflowed]
             last = max((i for i, (earlier, _) in enumerate(kept) if _resolved(earlier)), default=0)
-            self._flags = [*kept[last:], (outcome, self.log.snapshot(weights, reduce))]
+            self._kept = [*kept[last:], (outcome, self._snapshot(_resolved(outcome), reduce))]
         self.end_step()
-        if all_gathers_in_fp8(self.recipe) and self.layers:
+        if self._all_gather and self._guards:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
             precompute_float8_dynamic_scale_for_fsdp(nn.ModuleList(self.layers.values()))
@@ -380,47 +667,99 @@ class FP8Training:
         :meth:`after_step` saw skipped for non-finite gradients (``[]`` if none). One host sync: read it when a step
         is known to be skipped.
         """
-        current = self.log.read(self._weights())
+        current = self._snapshot(with_weights=True)()
         if current:
             return current
-        for outcome, names in reversed(self._flags):
+        for outcome, names in reversed(self._kept):
             if outcome.overflowed:
                 return names()
         return []
 
-    def _weights(self) -> dict[str, Tensor]:
-        return {name: layer.weight for name, layer in self.layers.items()}
+    def _snapshot(
+        self, with_weights: bool, reduce: Callable[[Tensor], Tensor] | None = None
+    ) -> Callable[[], list[str]]:
+        """The flags now, on the device: forward in forward order (a non-finite weight counts), backward in reverse."""
+        guards = self._in_forward_order()
+        forward = []
+        for guard in guards:
+            carried = guard.forward_sink.grad
+            flag = guard.flag if carried is None else guard.flag + carried
+            if with_weights:
+                weight = self._layers[guard.name].weight
+                # A DTensor (FSDP2's sharded weight): this rank's shard, whose values are the rank's to check.
+                local = weight.to_local() if type(weight).__name__ == "DTensor" else weight  # type: ignore[attr-defined]
+                weight_flag = nonfinite_flag(local.detach())
+                flag = flag.to(weight_flag.device) + weight_flag
+            forward.append((guard.name, flag))
+        backward = [
+            (guard.name, guard.backward_sink.detach() if guard.backward_sink.grad is None else guard.backward_sink.grad)
+            for guard in reversed(guards)
+            if guard.position >= 0
+        ]
+        return snapshot(forward, backward, reduce)
 
     def end_step(self) -> None:
         """Clear the non-finite flags (no sync): after every optimizer step, skipped or not."""
-        self.log.reset()
+        flags = [guard.flag for guard in self._guards.values()]
+        for guard in self._guards.values():
+            flags += [sink.grad for sink in (guard.forward_sink, guard.backward_sink) if sink.grad is not None]
+        if flags:
+            torch._foreach_zero_(flags)
 
     def fall_back(self, name: str) -> None:
-        """Send FP8 layer ``name`` back to a plain ``nn.Linear`` over the same Parameters, and record it.
+        """Send FP8 layer ``name`` back to bf16 over the same Parameters, and record it.
+
+        The layer becomes what it would be had it never been converted: a plain ``nn.Linear``, or the class a
+        wrapper gives one (FSDP2's ``FSDPLinear``; :func:`~lightning_amp_plus.weights.fp8.convert.fall_back`).
 
         Raises:
             KeyError: ``name`` is not an FP8 layer.
         """
-        layer = self.layers.get(name)
-        if layer is None:
-            raise KeyError(f"{name!r} is not an FP8 layer; FP8 layers: {sorted(self.layers)}.")
-        fall_back(layer)
+        if name not in self._guards:
+            raise KeyError(f"{name!r} is not an FP8 layer; FP8 layers: {sorted(self._guards)}.")
+        fall_back(self._layers[name])
+        del self._guards[name]
         self._fallen.append(name)
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain values: the layers fallen back and the rule's counts."""
-        return {"version": 1, "fallen_back": list(self._fallen), **self.rule.state_dict()}
+        """Plain values: the steps counted, the layers fallen back and the rule's counts."""
+        return {
+            "version": STATE_VERSION,
+            "steps": self._steps,
+            "fallen_back": list(self._fallen),
+            **self.rule.state_dict(),
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`: the recorded layers fall back now if converted, or are never converted.
 
+        A version-1 state (written before the steps counted were saved) restores its layers and counts and counts the
+        steps from 0 at this resume, which a warning says: the check steps may then come at other steps than in the
+        run that saved it.
+
         Raises:
             ValueError: the state is not one :meth:`state_dict` wrote.
         """
-        fallen = state.get("fallen_back")
-        if state.get("version") != 1 or not isinstance(fallen, list) or not all(isinstance(n, str) for n in fallen):
-            raise ValueError(f"Not an FP8 training state (version 1, 'fallen_back': [names]): {show(dict(state))}.")
+        version, fallen, steps = state.get("version"), state.get("fallen_back"), state.get("steps", 0)
+        shape = isinstance(fallen, list) and all(isinstance(n, str) for n in fallen)
+        counted = isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0
+        if version not in (1, STATE_VERSION) or not shape or not counted or (version == 2 and "steps" not in state):
+            raise ValueError(
+                f"Not an FP8 training state (version 1 or 2, 'fallen_back': [names], 'steps': an int >= 0 in version "
+                f"2): {show(dict(state))}."
+            )
+        assert isinstance(fallen, list) and isinstance(steps, int)  # checked above
         self.rule.load_state_dict(state)
+        self._steps = steps
+        if version == 1:
+            warnings.warn(
+                "The FP8 state was saved by an earlier version (version 1), which did not save the steps counted: the "
+                f"fallen-back layers {fallen} and the fallback rule's counts are restored, and the readings count "
+                f"steps from 0 at this resume, so the check steps (every {self.check_interval}) may come at other "
+                "steps than in the run that saved it.",
+                UserWarning,
+                stacklevel=2,
+            )
         live = self.layers
         # Loaded after a conversion, a recorded name should be one of the converted layers.
         missing = [name for name in fallen if name not in live and name not in self._fallen] if self._layers else []
