@@ -77,6 +77,7 @@ VARIANTS = (
     Variant("16-mixed, no clipping", "16-mixed", None, fused=False),
     Variant("16-mixed, no clipping, fused AdamW", "16-mixed", None, fused=True),
     Variant("bf16-mixed, clip by norm", "bf16-mixed", 1.0, fused=False),
+    Variant("bf16-mixed, no clipping", "bf16-mixed", None, fused=False),
     Variant("fp8-mixed, no clipping", "fp8-mixed", None, fused=False),
     Variant("fp8-mixed, no clipping, a check step", "fp8-mixed", None, fused=False, check_step=True),
 )
