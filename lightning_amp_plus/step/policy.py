@@ -21,7 +21,8 @@ overflow, ``h <= 1``    0           0                  ``max(s * backoff, min)``
 ======================  ==========  =================  ==========================
 
 Products are taken in float64 and rounded once to float32, as torch's update kernel does (a float scale times a double
-factor); the trackers are exact integers in float64.
+factor); the trackers are exact integers in float64. MPS has no float64: there both are float32 (:func:`wide_dtype`), as
+GradScaler's own arithmetic is on MPS.
 """
 
 from __future__ import annotations
@@ -40,9 +41,19 @@ from lightning_amp_plus._checks import read_count, read_number, show
 from lightning_amp_plus.step.float32 import f32
 from lightning_amp_plus.step.skips import Stall
 
-__all__ = ["LossScale", "ScalePolicy"]
+__all__ = ["LossScale", "ScalePolicy", "wide_dtype"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def wide_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the step's exact arithmetic and reads use on ``device``: float64, or float32 on MPS (which has none).
+
+    Examples:
+        >>> wide_dtype(torch.device("cpu")), wide_dtype(torch.device("mps"))
+        (torch.float64, torch.float32)
+    """
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 @dataclass(frozen=True)
@@ -108,7 +119,7 @@ class LossScale:
         """The scale on ``device``: the first device asked keeps the state, another gets a copy."""
         if not self._placed:
             self._placed = True
-            self.scale, self.trackers = self.scale.to(device), self.trackers.to(device)
+            self.scale, self.trackers = self.scale.to(device), self.trackers.to(device, wide_dtype(device))
         return self.scale if self.scale.device == device else self.scale.to(device, non_blocking=True)
 
     def advance(self, found_inf: Tensor) -> None:
@@ -135,13 +146,14 @@ class LossScale:
         grows = ~overflow & (counted >= policy.growth_interval)
         one = torch.ones_like(growth)  # float64: the factors stay doubles in the product, as in torch's kernel
         factor = torch.where(backs_off, policy.backoff_factor, torch.where(grows, policy.growth_factor, one))
-        scale.copy_((scale.double() * factor).clamp_(policy.min_scale, policy.max_scale))  # rounded once to float32
+        product = scale.to(factor.dtype) * factor
+        scale.copy_(product.clamp_(policy.min_scale, policy.max_scale))  # rounded once to float32
         kept = torch.where(tolerated, hysteresis - 1, torch.where(grows, float(policy.hysteresis), hysteresis))
         trackers.copy_(torch.stack([torch.where(overflow | grows, 0.0, counted), torch.where(backs_off, 0.0, kept)]))
 
     def read(self) -> tuple[float, int, int]:
         """``(scale, growth tracker, hysteresis tracker)`` on the host (one read)."""
-        scale, growth, hysteresis = torch.cat([self.scale.double().reshape(1), self.trackers]).tolist()
+        scale, growth, hysteresis = torch.cat([self.scale.to(self.trackers.dtype).reshape(1), self.trackers]).tolist()
         return scale, int(growth), int(hysteresis)
 
     def value(self) -> float:
