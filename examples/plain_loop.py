@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             loss = loss * float("inf")  # an overflow, on purpose
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
-        grad_norm = scaler.clip_grad_norm_(opt, max_norm=1.0)  # reuses the norm the unscale measured
+        grad_norm = scaler.clip_grad_norm_(opt, max_norm=1.0)  # measured here, torch's norm bit for bit
         scaler.step(opt)
         scaler.update()
         result = scaler.result(opt)  # what this step did

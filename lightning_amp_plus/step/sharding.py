@@ -3,8 +3,9 @@
 Under DDP every rank holds the whole (averaged) gradient, so any rank's norm is the global norm. Under sharding each
 rank holds a piece: the global squared norm is the SUM over ranks of the local squared norms, each divided by how
 many ranks hold the same piece (one for a shard; every rank of a replicate dimension for a replicated one, as in
-HSDP's 2-D mesh or a plain parameter of an FSDP2 model). One SUM all-reduce over the world then gives the norm *and*
-the overflow flag: an inf or NaN on any rank makes every rank's total non-finite, so every rank skips together.
+HSDP's 2-D mesh or a plain parameter of an FSDP2 model). One SUM all-reduce over the world of the ranks' overflow
+flags gives every rank the same skip decision (an inf or NaN on any rank skips the step everywhere), and, when the
+norm is read, one SUM all-reduce of the weighted local squared norms gives the global norm.
 
 The world, not the shard group: with a replicate dimension, a rank-local fault seen only by one shard group would
 otherwise let the other replicas step while this one skips. The weights make the world sum exact. Ranks outside a
@@ -75,7 +76,7 @@ def holders(grad: Tensor, replicas: int = 1) -> int:
 
 @dataclass(frozen=True)
 class Sharding:
-    """How a scaler's gradients are spread over the ranks: set ``DynamicLossScaler.sharding`` to one.
+    """How a scaler's gradients are spread over the ranks: ``scaler.engine.ranks = Ranks(sharding=Sharding())``.
 
     Attributes:
         replicas: how many ranks hold each plain (non-DTensor) gradient: 1 for FSDP's FULL_SHARD flat shards, the

@@ -2,8 +2,9 @@
 
 A finite spike (a bad batch, an optimizer-state resonance) gives a gradient many times the usual norm. Taken, it moves
 SGD's weights by as much and pollutes Adam's second moment for about ``1 / (1 - beta2)`` steps. The guard sees the
-global L2 norm of the unscaled gradients, the number the step's overflow check already measures, and says, before the
-update, whether the step is ordinary (``"take"``) or a spike to ``"skip"`` or to ``"clip"`` down to the threshold.
+global L2 norm of the unscaled gradients, which the step engine measures for it after the overflow check, and says,
+before the update, whether the step is ordinary (``"take"``) or a spike to ``"skip"`` or to ``"clip"`` down to the
+threshold.
 
 The statistic (chosen by ``benchmarks/bench_spikes.py``; see ``docs/spike-guard.md`` for the numbers): a running mean
 and variance of the norms of the steps taken, weighted exponentially with the decay ``alpha`` as ZClip does, except
