@@ -121,9 +121,9 @@ class FabricFSDPMixedPrecisionPlugin(_Sharded, FabricMixedPrecisionPlugin, Fabri
     ``MixedPrecision(param_dtype=half, reduce_dtype=torch.float32)`` (the FP32 shards are the masters, forward and
     backward run on all-gathered half copies); without it the FP32 shards compute under autocast.
 
-    The global norm and the skip decision come from one SUM all-reduce over the world of the ranks' shards (taken as
-    fully sharded, FSDP's default; under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the
-    skip decision stays right). Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
+    The skip decision comes from one SUM all-reduce over the world of the ranks' overflow flags, the global norm (when
+    something reads it) from one of the ranks' squared shard norms (the shards taken as fully sharded, FSDP's default;
+    under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the skip decision stays right). Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
 
     Examples:
         >>> plugin = FabricFSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
