@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import io
 import math
 from typing import Any
@@ -25,16 +24,11 @@ pytestmark = pytest.mark.filterwarnings(FP16_ON_CPU_WARNING)
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # (autocast dtype or None for none, the dtype the logits come out in)
 AUTOCAST_CASES = [(None, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
-HAS_MASTER_WEIGHTS = "master_weights" in inspect.signature(MixedPrecisionPlugin).parameters
 PLUGIN_MODES = [
     pytest.param({"precision": "16-mixed"}, id="16-mixed"),
     pytest.param({"precision": "bf16-mixed"}, id="bf16-mixed"),
     *(
-        pytest.param(
-            {"precision": precision, "master_weights": True},
-            id=f"{precision}-master",
-            marks=pytest.mark.skipif(not HAS_MASTER_WEIGHTS, reason="MixedPrecisionPlugin has no master_weights yet"),
-        )
+        pytest.param({"precision": precision, "master_weights": True}, id=f"{precision}-master")
         for precision in ("16-mixed", "bf16-mixed")
     ),
 ]
