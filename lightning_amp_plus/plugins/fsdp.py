@@ -123,7 +123,8 @@ class FabricFSDPMixedPrecisionPlugin(_Sharded, FabricMixedPrecisionPlugin, Fabri
 
     The skip decision comes from one SUM all-reduce over the world of the ranks' overflow flags, the global norm (when
     something reads it) from one of the ranks' squared shard norms (the shards taken as fully sharded, FSDP's default;
-    under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the skip decision stays right). Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
+    under ``HYBRID_SHARD`` or ``NO_SHARD`` the reported norm counts each replica, the skip decision stays right).
+    Clipping by norm is FSDP's own ``clip_grad_norm_``, as Fabric calls it.
 
     Examples:
         >>> plugin = FabricFSDPMixedPrecisionPlugin("bf16-mixed", master_weights=True)
