@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 from helpers import load_script
+from versions import needs
 
 REPO = Path(__file__).resolve().parents[2]
 # The page's row names for the script's variants (the page says "clipping" where the script's table says "clip").
@@ -30,6 +31,7 @@ def stated() -> dict[str, tuple[int, int]]:
     return {name: (int(functions), int(files)) for name, functions, files in table}
 
 
+@needs("python", "3.11", "benchmarks/trace_step.py's tracer (it reads code objects' co_qualname)")
 def test_the_design_page_states_what_one_step_runs_as_traced() -> None:
     module = load_script(REPO / "benchmarks" / "trace_step.py", "trace_step")
     page = stated()
