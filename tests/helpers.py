@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from versions import at_least
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionPlugin
 from lightning_amp_plus.cli import main
@@ -266,10 +267,35 @@ def our_plugin(precision: str, growth_interval: int = 10_000, **options: Any) ->
     return MixedPrecisionPlugin(precision, device="cpu", scaler=scaler, **options)  # type: ignore[arg-type]
 
 
-def lightning_plugin(precision: str, growth_interval: int = 10_000) -> MixedPrecision:
+class CastCaching(MixedPrecision):
+    """Lightning's ``MixedPrecision`` with torch's autocast cast cache on (``cache_enabled=True``) or off."""
+
+    def __init__(self, precision: str, device: str, cache_enabled: bool) -> None:
+        super().__init__(precision, device)  # type: ignore[arg-type]
+        self.cache_enabled = cache_enabled
+
+    def autocast_context_manager(self) -> torch.autocast:
+        dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.half
+        return torch.autocast(self.device, dtype=dtype, cache_enabled=self.cache_enabled)
+
+
+def lightning_plugin(precision: str, growth_interval: int = 10_000, cast_cache: bool | None = None) -> MixedPrecision:
     """Lightning's ``MixedPrecision`` on CPU, the reference for :func:`our_plugin`: under fp16 its GradScaler starts
-    at :data:`START_SCALE` and grows after ``growth_interval`` clean steps."""
-    plugin = MixedPrecision(precision, device="cpu")  # type: ignore[arg-type]
+    at :data:`START_SCALE` and grows after ``growth_interval`` clean steps.
+
+    Its autocast is the one of Lightning 2.5.5 and later, without torch's cast cache, as this package's: before 2.5.5
+    Lightning's autocast kept the cache on, which casts a weight to half once per step, so a layer applied twice in a
+    step (a GAN's discriminator, a WGAN critic) has its two weight gradients summed in half precision, not in FP32
+    (``test_lightning_features.py`` shows it on Lightning's own plugin). ``cast_cache`` sets the cache whatever the
+    release; ``None`` keeps the installed plugin's own autocast from 2.5.5 on.
+    """
+    if cast_cache is None and not at_least("lightning", "2.5.5"):
+        cast_cache = False
+    plugin = (
+        MixedPrecision(precision, device="cpu")  # type: ignore[arg-type]
+        if cast_cache is None
+        else CastCaching(precision, "cpu", cache_enabled=cast_cache)
+    )
     if plugin.scaler is not None:
         plugin.scaler = torch.amp.GradScaler("cpu", init_scale=START_SCALE, growth_interval=growth_interval)
     return plugin

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 from helpers import load_script
+from versions import needs
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = needs("python", "3.11", "benchmarks/trace_step.py's tracer (it reads code objects' co_qualname)")
 Counts = tuple[int, int] | None  # (functions, files); None where the reference refuses the set-up
 
 

@@ -28,12 +28,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*your dataloader is not resumab
 
 # --------------------------------------------------------------------------------------------- the model
 def teacher_data(n: int = 512, seed: int = 0) -> TensorDataset:
-    """A fixed random teacher network's outputs on random inputs: the student can learn it exactly."""
+    """A fixed random teacher network's outputs on random inputs: the student can learn it exactly.
+
+    Drawn in FP32 whatever the default dtype (bf16 inside a bf16-true training step): torch 2.6 draws another stream
+    for a bf16 ``randn``, which would make the training data another teacher's.
+    """
     generator = torch.Generator().manual_seed(seed)
     teacher = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
     for p in teacher.parameters():
-        p.data = torch.randn(p.shape, generator=generator) * 0.5
-    x = torch.randn(n, 16, generator=generator)
+        p.data = torch.randn(p.shape, generator=generator, dtype=torch.float32) * 0.5
+    x = torch.randn(n, 16, generator=generator, dtype=torch.float32)
     with torch.no_grad():
         return TensorDataset(x, teacher(x))
 

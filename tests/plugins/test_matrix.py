@@ -130,7 +130,9 @@ def fresh_net(case: Case) -> nn.Sequential:
 
 
 def loss_of(case: Case, output: Tensor, y: Tensor, step: int) -> Tensor:
-    loss = F.mse_loss(output.float(), y)
+    # y.float(): the bf16-true Trainer hands a bf16 target, and torch 2.6 cannot backpropagate an mse_loss of an FP32
+    # input and a bf16 target ("Found dtype BFloat16 but expected Float"); the loss is the same number either way.
+    loss = F.mse_loss(output.float(), y.float())
     return loss * float("inf") if step == case.overflow_step else loss
 
 

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from versions import at_least
 
 from lightning_amp_plus import DynamicLossScaler
 from lightning_amp_plus.step.sharding import Ranks, Sharding, holders, local_view
@@ -38,7 +39,10 @@ def stepped(sharding: Sharding | None) -> tuple[float | None, list[torch.Tensor]
 def test_a_single_shard_held_once_measures_and_unscales_as_unsharded() -> None:
     plain, plain_grads = stepped(None)
     sharded, sharded_grads = stepped(Sharding(replicas=1))
-    assert sharded == plain
+    if at_least("torch", "2.14"):
+        assert sharded == plain
+    else:  # the unsharded norm is torch's vector_norm (as clip_grad_norm_'s): torch 2.6's rounds this sum 1 ulp higher
+        assert plain is not None and sharded is not None and math.isclose(sharded, plain, rel_tol=2**-23)
     torch.testing.assert_close(sharded_grads, plain_grads, rtol=0, atol=0)
 
 

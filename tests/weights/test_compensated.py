@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from versions import needs
 
 from lightning_amp_plus.weights import compensated
 from lightning_amp_plus.weights.compensated import Compensator, Method, footprint, round_stochastically
@@ -45,7 +46,11 @@ CASES = [
     Case("adamw-tensor-lr", lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), weight_decay=0.1, foreach=False)),
     Case("adam-l2", lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=False)),
     Case("adam-maximize", lambda p: torch.optim.Adam(p, lr=1e-2, maximize=True, foreach=False)),
-    Case("adam-decoupled", lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+    pytest.param(
+        Case("adam-decoupled", lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)),
+        id="adam-decoupled",
+        marks=needs("torch", "2.7", "Adam(decoupled_weight_decay=True)"),
+    ),
     Case("sgd", lambda p: torch.optim.SGD(p, lr=0.1, foreach=False)),
     Case("sgd-momentum-wd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)),
     Case("sgd-dampening", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.5, foreach=False)),

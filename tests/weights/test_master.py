@@ -30,10 +30,11 @@ from helpers import (
     our_plugin,
     parameters_of,
 )
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch import callbacks
 from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
+from versions import needs
 
 from lightning_amp_plus import MixedPrecisionPlugin
 from lightning_amp_plus.weights.fp32_modules import compute_in_fp32
@@ -268,6 +269,7 @@ class Validated(TinyRegressor):
         self.log("val_loss", F.mse_loss(self.net(batch[0]).float(), batch[1]))
 
 
+@needs("lightning", "2.6", "EMAWeightAveraging")
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_lightnings_ema_weight_averaging_with_a_validation_inside_an_accumulation_cycle(precision: str) -> None:
     """EMAWeightAveraging swaps its averages in for validation (through ``.data``) and back: a validation after
@@ -275,7 +277,7 @@ def test_lightnings_ema_weight_averaging_with_a_validation_inside_an_accumulatio
 
     def run(plugin: Precision) -> dict[str, Any]:
         model = Validated(optimizer="adam", lr=0.02)
-        ema = EMAWeightAveraging(decay=0.8)
+        ema = callbacks.EMAWeightAveraging(decay=0.8)
         trainer = make_trainer(
             plugin, max_steps=6, max_epochs=-1, accumulate_grad_batches=2, val_check_interval=3, callbacks=[ema],
             limit_val_batches=2,
