@@ -51,7 +51,7 @@ from lightning_amp_plus._checks import is_int, read_count, require
 from lightning_amp_plus.step import grads as _grads
 from lightning_amp_plus.step.float32 import f32
 from lightning_amp_plus.step.pending import PENDING_MAX, PendingReads
-from lightning_amp_plus.step.policy import LossScale, ScalePolicy, wide_dtype
+from lightning_amp_plus.step.policy import LossScale, ScalePolicy
 from lightning_amp_plus.step.schedulers import SchedulerHold
 from lightning_amp_plus.step.sharding import Ranks
 from lightning_amp_plus.step.skips import BF16_STALL, SPIKE_STALL, diagnosis
@@ -474,7 +474,8 @@ class GradientCheck:
             if by_one or self.loss_scale is None:
                 inverse = _filled(1.0, where)
             else:  # as GradScaler: 1 / scale in float64 (float32 on MPS), rounded once to float32
-                inverse = self.loss_scale.tensor(where).to(wide_dtype(where)).reciprocal().float().reshape(1)
+                scale = self.loss_scale.tensor(where)  # places the state first: its trackers' dtype is the wide one
+                inverse = scale.to(self.loss_scale.trackers.dtype).reciprocal().float().reshape(1)
             torch._amp_foreach_non_finite_check_and_unscale_(values, here, inverse)
             if here is not found:
                 found += here.to(device)
@@ -499,9 +500,14 @@ class GradientCheck:
                 read.append(_grads.clip_coefficient(now.norm, clip).reshape(1))
         if self.loss_scale is not None:
             read += [self.loss_scale.scale.reshape(1), self.loss_scale.trackers[1:]]
-        # The step's one host read, in float64 (MPS has none: float32): every value of every dtype read exactly.
-        device = now.found.device
-        values = torch.cat([value.to(device, wide_dtype(device)) for value in read]).tolist()
+        # The step's one host read, every value read exactly: in the trackers' float64 (float32 on MPS, which has no
+        # float64); without a loss scale, in the widest of the flag's float32 and the norm's dtype.
+        device, wide = now.found.device, torch.float32
+        if self.loss_scale is not None:
+            wide = self.loss_scale.trackers.dtype
+        elif now.norm is not None:
+            wide = torch.promote_types(wide, now.norm.dtype)
+        values = torch.cat([value.to(device, wide) for value in read]).tolist()
         now.read, now.overflow = True, values[0] != 0.0
         if now.norm is not None:
             now.grad_norm = values[1]
