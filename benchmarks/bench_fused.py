@@ -25,6 +25,10 @@ What is measured
     ``__bool__``, ...), patched. On CUDA also the runtime's synchronising calls (``cudaStreamSynchronize``,
     ``cudaEventSynchronize``, ``cudaDeviceSynchronize``, blocking ``cudaMemcpy``).
 
+    ``--count-ops`` also counts the aten ops of one step of each side (torch.profiler, nested ones included; on the
+    optimizer alone, what the optimizer's own step runs) and prints ours against GradScaler's, op by op: the fixed
+    cost each side adds around the optimizer.
+
 How
     Gradients are restored from a saved copy before every timed step (not timed): repeated unscaling would drive them
     into denormal numbers, about 10x slower on x86 (the denormal trap). Saved values are ``N(0, 1) * 0.01 * scale``
@@ -52,6 +56,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +172,27 @@ def count_syncs(side: Side, steps: int, overflow_every: int | None, device: torc
     return {"scalar reads": scalar_reads / steps, "python reads": len(calls) / steps, "cuda syncs": cuda_syncs / steps}
 
 
+def count_ops(side: Side, overflow_every: int | None) -> Counter[str]:
+    """The aten ops one step of ``side`` runs (nested ones included), counted by name with torch.profiler."""
+    side.restore(0, overflow_every)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        side.step(side)
+    return Counter(event.name for event in prof.events() if event.name.startswith("aten::"))
+
+
+def print_op_counts(pairs: list[tuple[str, Side, Side]], overflow_every: int | None) -> None:
+    """Each pair's aten ops per step, ours against GradScaler's, with the difference."""
+    for label, ours, theirs in pairs:
+        mine, its = count_ops(ours, overflow_every), count_ops(theirs, overflow_every)
+        print(f"   aten ops per step, {label}: ours {sum(mine.values())}, GradScaler {sum(its.values())}")
+        print(f"     {'op':<48} {'ours':>5} {'torch':>6} {'diff':>5}")
+        for name in sorted(set(mine) | set(its), key=lambda n: (-(abs(mine[n] - its[n])), n)):
+            if mine[name] != its[name]:
+                print(f"     {name:<48} {mine[name]:>5} {its[name]:>6} {mine[name] - its[name]:>+5}")
+        same = sum(min(mine[n], its[n]) for n in set(mine) & set(its) if mine[n] == its[n])
+        print(f"     (ops run as often on both sides: {same}, not listed)")
+
+
 # ------------------------------------------------------------------------------------------------------ timing
 def time_sides(sides: list[Side], reps: int, steps: int, overflow_every: int | None, device: torch.device) -> None:
     counter = 0
@@ -198,6 +224,7 @@ def main() -> None:
     parser.add_argument("--no-clip", dest="clip", action="store_false", help="skip the clipping comparison")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--count-ops", action="store_true", help="count each side's aten ops per step, ours vs torch")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -246,6 +273,12 @@ def main() -> None:
         for step in range(3):
             side.restore(step, None)
             side.step(side)
+    if args.count_ops:
+        named = {side.name: side for side in sides}
+        pairs = [("no clipping", named["ours"], named["torch"])]
+        if args.clip:
+            pairs.append(("clipping", named["ours + clip"], named["torch + clip"]))
+        print_op_counts(pairs, None)
     syncs = {side.name: count_syncs(side, args.count_steps, args.overflow_every, device) for side in sides}
     time_sides(sides, reps, steps, args.overflow_every, device)
 
