@@ -1,18 +1,21 @@
 """Where the fixed cost of the check without a norm goes: GradScaler's kernel alone, then what wraps it, piece by piece.
 
 What is measured
-    ``bench_grads.py`` finds the check that measures no norm (``grads.unscale_checked_``, inside
-    ``StepEngine.prepare``) a fixed 0.1-0.3 ms slower than a bare call of the kernel it runs,
+    ``bench_grads.py`` finds the check that measures no norm (``StepEngine.unscale``, which runs
+    ``GradientCheck.unscale``) a fixed 0.1-0.3 ms slower than a bare call of the kernel it runs,
     ``torch._amp_foreach_non_finite_check_and_unscale_``. This script times, on the same gradients (``bench_grads``'s
-    60 equal tensors), each step from the bare call to the engine's check:
+    60 equal tensors), each step from the bare call to the engine's check, each with the flag read on the host:
 
     * ``kernel``: the bare call, with a 0-d flag made once and zeroed before each call, and a 0-d inverse scale;
     * ``+ a new flag``: a fresh one-element flag per call (what the check does: nothing is kept between steps);
     * ``+ no_grad``: the same inside ``torch.no_grad()`` (as GradScaler's unscale runs);
-    * ``+ cached inverse``: the one-element inverse scale from ``grads._filled``;
-    * ``grads.unscale_checked_``: the function itself (adds the list of gradients and the grouping by device and dtype);
-    * ``engine.prepare``: ``DynamicLossScaler.engine.unscale(opt, exact=False)``, the whole check (adds the optimizer's
-      pass record, the parameter list, the scale policy and the step's result).
+    * ``+ inverse from the scale``: the inverse scale computed from the scale tensor at each call, in float64 and
+      rounded once to float32, as GradScaler and the check compute it;
+    * ``engine.gradients.unscale``: ``GradientCheck.unscale(opt, by_one=False)``, the check's pass itself (adds the
+      optimizer's parameter and gradient lists, the grouping by device and dtype and the pass record), and the flag
+      read;
+    * ``engine.unscale(read=True)``: ``DynamicLossScaler.engine.unscale(opt, read=True)``, the whole check (adds the
+      optimizer's slot and its stage) and its one host read (the flag, the scale and the hysteresis tracker at once).
 
 How
     Before every timed call the gradients are restored from a saved copy and the scaler's step is ended (untimed), as
@@ -38,7 +41,6 @@ import torch
 from bench_grads import make_grad_set, shapes  # same directory
 
 from lightning_amp_plus import DynamicLossScaler
-from lightning_amp_plus.step import grads as G
 
 _DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 _SCALE = 256.0
@@ -50,8 +52,8 @@ def variants(
     """The timed calls, from the bare kernel to the engine's whole check, in that order; and the untimed reset."""
     grads: list[torch.Tensor] = list(gradient_set.grads)  # type: ignore[attr-defined]
     kernel = torch._amp_foreach_non_finite_check_and_unscale_
-    cpu = torch.device("cpu")
     flag, inverse = torch.zeros(()), torch.full((), 1.0 / _SCALE)
+    scale = torch.full((1,), _SCALE)
     scaler = DynamicLossScaler(init_scale=_SCALE, growth_interval=10**9)
     scaler.scale(torch.zeros(()))
 
@@ -72,13 +74,16 @@ def variants(
         return found.item()
 
     @torch.no_grad()
-    def cached_inverse() -> object:
+    def inverse_from_scale() -> object:
         found = torch.zeros(1)
-        kernel(grads, found, G._filled(1.0 / _SCALE, cpu))
+        kernel(grads, found, scale.double().reciprocal().float())
         return found.item()
 
+    def gradient_check() -> object:
+        return scaler.engine.gradients.unscale(optimizer, by_one=False).found.item()
+
     def engine_check() -> object:
-        scaler.engine.unscale(optimizer, exact=False)
+        scaler.engine.unscale(optimizer, read=True)
         return None
 
     def reset() -> None:
@@ -89,9 +94,9 @@ def variants(
         "kernel": bare,
         "+ a new flag": new_flag,
         "+ no_grad": no_grad,
-        "+ cached inverse": cached_inverse,
-        "grads.unscale_checked_": lambda: G.unscale_checked_(grads, 1.0 / _SCALE, None, None),
-        "engine.prepare": engine_check,
+        "+ inverse from the scale": inverse_from_scale,
+        "engine.gradients.unscale": gradient_check,
+        "engine.unscale(read=True)": engine_check,
     }
     return calls, reset
 

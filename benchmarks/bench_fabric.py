@@ -15,9 +15,10 @@ What is measured
       checks nothing).
     * ``32-true``: for context, Fabric's ``32-true`` twice (A and B): their ratio is the noise floor of the machine.
 
-    Where ours does more: it checks and measures the gradients once per step (one norm pass and one host read), and
-    Fabric's ``clip_gradients`` then measures them again with torch's ``clip_grad_norm_``; GradScaler checks in the
-    same pass as it unscales. ``--no-clip`` times the loop without clipping.
+    Where ours does more: at bf16 it checks the gradients once per step (GradScaler's one-pass check-and-unscale
+    kernel, by 1.0, and one host read; no norm), which Fabric's bf16 plugin does not do. At fp16 it makes GradScaler's
+    pass and read. Fabric's ``clip_gradients`` then measures the norm with torch's ``clip_grad_norm_`` on both sides.
+    ``--no-clip`` times the loop without clipping.
 
 How
     Each configuration runs in a fresh ``Fabric(accelerator="cpu", devices=1, plugins=[...])`` with the same seed

@@ -8,12 +8,14 @@ What is measured
     * ``roofline``: one in-place multiply over the same bytes (``flat.mul_(1.0)`` on the buffer the gradients live in;
       ``torch._foreach_mul_(grads, 1.0)`` is shown beside it). One read and one write of every gradient: nothing that
       must unscale the gradients can be faster.
-    * ``ours``: without clipping, the check ``DynamicLossScaler.step`` and the plugins make when nothing clips
-      (``scaler.engine.unscale(opt, exact=False)``: no norm asked, so GradScaler's one-pass check-and-unscale kernel,
-      plus the one host sync for the skip decision); with clipping ``unscale_`` (the norm ``clip_grad_norm_``'s bit
-      for bit: a second read) + ``DynamicLossScaler.clip_grad_norm_``. Also shown, without clipping: ``ours, norm
-      measured``, the check when a reader asks for each step's norm (a monitor, a spike guard): unscale and global
-      norm in one cache-hot pass (``grads.unscale_and_measure_``).
+    * ``ours``: without clipping, the check ``DynamicLossScaler.step`` and the plugins make when nothing clips and
+      nothing reads the norm (``scaler.engine.unscale(opt, read=True)``: GradScaler's one-pass check-and-unscale
+      kernel, no norm, plus the one host read of the flag for the skip decision); with clipping ``unscale_`` +
+      ``DynamicLossScaler.clip_grad_norm_`` (which measures the norm, ``clip_grad_norm_``'s bit for bit: a second read,
+      and multiplies only when over the limit). Also shown, without clipping: ``ours, norm measured``, the check of a
+      scaler whose engine a reader asked for every step's norm (``engine.read_norms()``, as ``MixedPrecisionMonitor``
+      does; a spike guard does the same): the kernel's pass, then the global norm (``grads.global_norm``), a second
+      pass that only reads, both read on the host at once.
     * ``torch``: ``torch.amp.GradScaler.unscale_(opt)`` plus the ``found_inf`` read that ``GradScaler.step`` does (the
       host sync), and with clipping also ``torch.nn.utils.clip_grad_norm_(params, max_norm)``. GradScaler's public
       ``unscale_`` refuses fp16 gradients ("Attempting to unscale FP16 gradients"), so for fp16 the torch reference
@@ -21,6 +23,16 @@ What is measured
     * ``the kernel alone``: GradScaler's fused kernel, ``torch._amp_foreach_non_finite_check_and_unscale_(grads,
       found_inf, inv_scale)``, called with nothing around it, and the flag read: the floor of any check made from
       Python, shown against ours without clipping (not a target).
+    * ``drop-in loops`` (fp32 only: GradScaler refuses fp16 gradients): the whole of a training loop's scaler calls,
+      the same code for ``DynamicLossScaler`` and ``torch.amp.GradScaler``, over the same SGD optimizer (``lr=0``,
+      no momentum: the cheapest step, so the scaler's share of the loop is the largest) and the same gradients:
+
+      - ``unscale_ + step + update``: ``scaler.unscale_(opt); scaler.step(opt); scaler.update()``;
+      - ``nanoGPT``: nanoGPT's loop, ``scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(params, 1.0);
+        scaler.step(opt); scaler.update()`` (torch's own clip, called by the user: the scaler measures no norm).
+
+      ``--count-ops`` also counts the aten ops each side's loop runs (torch.profiler, one loop each) and prints them
+      side by side: where a ratio is over its target, what ours runs that GradScaler does not.
 
     Clipping is measured twice: ``max_norm`` far above the gradient norm (nothing to clip: ours does not multiply,
     torch's ``clip_grad_norm_`` always does) and ``max_norm`` well below it (clipping active in both).
@@ -35,14 +47,16 @@ How
     repetition (all methods, then all again, ...) so machine noise hits them alike; medians over ``--reps``
     repetitions are reported, with ratios ours/torch and each/roofline, and a Markdown table at the end.
 
-    Targets (reported, never asserted): with clipping ours <= 0.75x torch, without clipping ours <= 1.1x torch.
+    Targets (reported, never asserted): with clipping ours <= 0.75x torch, without clipping ours <= 1.1x torch, the
+    drop-in loops ours <= 1.05x GradScaler.
 
 Run
-    python benchmarks/bench_grads.py                  # 22M gradients, CPU (about 30 s on 2 cores)
+    python benchmarks/bench_grads.py                  # 22M gradients, CPU (about 1-2 minutes on 2 cores)
     python benchmarks/bench_grads.py --quick          # 2M gradients, about 10 s: a smoke test
     python benchmarks/bench_grads.py --device cuda    # the same on a GPU (torch.cuda.synchronize around each call)
     python benchmarks/bench_grads.py --layout mixed   # transformer-like shapes instead of 60 equal tensors
     python benchmarks/bench_grads.py --threads 1      # steadier on a machine shared with other processes
+    python benchmarks/bench_grads.py --dtypes fp32 --count-ops   # also count each drop-in loop's aten ops
 """
 
 from __future__ import annotations
@@ -53,18 +67,22 @@ import os
 import statistics
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from _ab import verdict  # same directory
 from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile
 
 from lightning_amp_plus import DynamicLossScaler
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
 _TARGET_CLIP = 0.75
 _TARGET_NO_CLIP = 1.10
+_TARGET_DROP_IN = 1.05
+_DROP_IN_MAX_NORM = 1.0  # nanoGPT's grad_clip
 
 
 # ----------------------------------------------------------------------------------------------------- set-up
@@ -141,6 +159,10 @@ class Methods:
         self.ours = DynamicLossScaler(init_scale=scale, growth_interval=10**9)
         # Put the scaler's state on the gradients' device, as scale(loss) would in training.
         self.ours.scale(torch.zeros((), device=device))
+        # A scaler whose engine a reader asked for every step's norm, as MixedPrecisionMonitor asks (irreversible).
+        self.ours_read = DynamicLossScaler(init_scale=scale, growth_interval=10**9)
+        self.ours_read.engine.read_norms()
+        self.ours_read.scale(torch.zeros((), device=device))
         self.fp16 = gs.flat.dtype == torch.float16
         self.torch_scaler = torch.amp.GradScaler(device.type, init_scale=scale, growth_interval=10**9)
         self.torch_scaler.scale(torch.zeros((), device=device))  # creates the scale tensor on the device
@@ -155,6 +177,7 @@ class Methods:
     def reset(self) -> None:
         """Untimed: restore the gradient values and the scalers' per-step state (scale unchanged)."""
         self.ours.update(new_scale=self.scale)
+        self.ours_read.update(new_scale=self.scale)
         if not self.fp16:
             self.torch_scaler.update(new_scale=self.scale)
         self.gs.restore()
@@ -168,16 +191,14 @@ class Methods:
 
     # ours
     def ours_unscale(self) -> None:
-        # The check step() makes when nothing clips and nothing reads the norm: GradScaler's one pass, no norm.
-        self.ours.engine.unscale(self.gs.optimizer, exact=False)
+        # The check step() makes when nothing clips and nothing reads the norm: GradScaler's one pass, no norm, and the
+        # flag read on the host (the skip decision).
+        self.ours.engine.unscale(self.gs.optimizer, read=True)
 
     def ours_unscale_measured(self) -> None:
-        # The check when nothing clips but a monitor reads the norm: measured as the gradients are unscaled.
-        self.ours.engine.measure_norm = True
-        try:
-            self.ours.engine.unscale(self.gs.optimizer, exact=False)
-        finally:
-            self.ours.engine.measure_norm = False
+        # The check when nothing clips but a reader (a monitor) asked for every step's norm: the kernel's pass, then
+        # the global norm, read with the flag.
+        self.ours_read.engine.unscale(self.gs.optimizer, read=True)
 
     def ours_clip_large(self) -> None:
         self.ours.unscale_(self.gs.optimizer)
@@ -231,6 +252,30 @@ class Methods:
         torch.nn.utils.clip_grad_norm_(self.gs.params, self.max_norm_small)
         self._torch_sync()
 
+    # drop-in loops: the same code over either scaler (fp32 only: GradScaler refuses fp16 gradients)
+    def _loop(self, scaler: DynamicLossScaler | torch.amp.GradScaler) -> None:
+        scaler.unscale_(self.gs.optimizer)
+        scaler.step(self.gs.optimizer)
+        scaler.update()
+
+    def _nanogpt(self, scaler: DynamicLossScaler | torch.amp.GradScaler) -> None:
+        scaler.unscale_(self.gs.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.gs.params, _DROP_IN_MAX_NORM)
+        scaler.step(self.gs.optimizer)
+        scaler.update()
+
+    def ours_loop(self) -> None:
+        self._loop(self.ours)
+
+    def torch_loop(self) -> None:
+        self._loop(self.torch_scaler)
+
+    def ours_nanogpt(self) -> None:
+        self._nanogpt(self.ours)
+
+    def torch_nanogpt(self) -> None:
+        self._nanogpt(self.torch_scaler)
+
     def table(self) -> dict[str, Callable[[], None]]:
         return {
             "roofline (flat mul_)": self.roofline_flat,
@@ -244,6 +289,16 @@ class Methods:
             "ours unscale_+clip (small max_norm)": self.ours_clip_small,
             "torch unscale_+clip (small max_norm)": self.torch_clip_small,
             "the kernel alone": self.kernel_alone,
+            **(
+                {}
+                if self.fp16
+                else {
+                    "ours drop-in: unscale_+step+update": self.ours_loop,
+                    "torch drop-in: unscale_+step+update": self.torch_loop,
+                    "ours drop-in: nanoGPT loop": self.ours_nanogpt,
+                    "torch drop-in: nanoGPT loop": self.torch_nanogpt,
+                }
+            ),
         }
 
 
@@ -256,6 +311,9 @@ def check_agreement(methods: Methods) -> dict[str, float]:
         "clip large": (methods.ours_clip_large, methods.torch_clip_large),
         "clip small": (methods.ours_clip_small, methods.torch_clip_small),
     }
+    if not methods.fp16:
+        pairs["drop-in loop"] = (methods.ours_loop, methods.torch_loop)
+        pairs["nanoGPT loop"] = (methods.ours_nanogpt, methods.torch_nanogpt)
     out: dict[str, float] = {}
     for case, (ours, theirs) in pairs.items():
         methods.reset()
@@ -266,6 +324,30 @@ def check_agreement(methods: Methods) -> dict[str, float]:
         out[case] = float((mine - gs.flat.float()).abs().max().item())
     methods.reset()
     return out
+
+
+def count_ops(methods: Methods, fn: Callable[[], None]) -> Counter[str]:
+    """The aten ops one call of ``fn`` runs (nested ones included), counted by name with torch.profiler."""
+    methods.reset()
+    fn()  # warm: first-call work (caches, lazily built tensors) is not counted
+    methods.reset()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    methods.reset()
+    return Counter(event.name for event in prof.events() if event.name.startswith("aten::"))
+
+
+def print_op_counts(methods: Methods) -> None:
+    """Each drop-in loop's aten ops, ours against GradScaler's, with the difference."""
+    for loop, ours, theirs in (
+        ("unscale_+step+update", methods.ours_loop, methods.torch_loop),
+        ("nanoGPT loop", methods.ours_nanogpt, methods.torch_nanogpt),
+    ):
+        mine, its = count_ops(methods, ours), count_ops(methods, theirs)
+        print(f"   aten ops per call, {loop}: ours {sum(mine.values())}, GradScaler {sum(its.values())}")
+        print(f"     {'op':<48} {'ours':>5} {'torch':>6} {'diff':>5}")
+        for name in sorted(set(mine) | set(its), key=lambda n: (-(abs(mine[n] - its[n])), n)):
+            print(f"     {name:<48} {mine[name]:>5} {its[name]:>6} {mine[name] - its[name]:>+5}")
 
 
 # ----------------------------------------------------------------------------------------------------- timing
@@ -301,11 +383,12 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=60, help="number of gradient tensors")
     parser.add_argument("--layout", choices=("uniform", "mixed"), default="uniform")
     parser.add_argument("--dtypes", nargs="+", choices=tuple(_DTYPES), default=list(_DTYPES))
-    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method (default 25, quick 7)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions per method (default 40, quick 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed repetitions first")
     parser.add_argument("--scale", type=float, default=2.0**8, help="loss scale, a power of two")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--count-ops", action="store_true", help="count each drop-in loop's aten ops, ours vs torch")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -314,7 +397,7 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     numel = args.numel or (2_000_000 if args.quick else 22_000_000)
-    reps = args.reps or (7 if args.quick else 25)
+    reps = args.reps or (7 if args.quick else 40)
     layout_shapes = shapes(numel, args.tensors, args.layout)
     warnings.filterwarnings("ignore", category=FutureWarning)
 
@@ -344,14 +427,16 @@ def main() -> None:
         print(f"   subnormal fraction after one unscale (storage dtype): {sub:.2e}")
         agree = check_agreement(methods)
         print("   max |ours - torch| after each case: " + ", ".join(f"{k} {v:.2e}" for k, v in agree.items()))
+        if args.count_ops and not methods.fp16:
+            print_op_counts(methods)
 
         times = time_methods(methods, reps, args.warmup)
         med = {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
         roof = med["roofline (flat mul_)"]
         gbps = 2 * gs.nbytes / (roof / 1e3) / 1e9
-        print(f"   {'method':<40} {'median ms':>10} {'min ms':>9} {'x roofline':>11}")
+        print(f"   {'method':<42} {'median ms':>10} {'min ms':>9} {'x roofline':>11}")
         for name, ts in times.items():
-            print(f"   {name:<40} {med[name]:>10.2f} {min(ts) * 1e3:>9.2f} {med[name] / roof:>10.2f}x")
+            print(f"   {name:<42} {med[name]:>10.2f} {min(ts) * 1e3:>9.2f} {med[name] / roof:>10.2f}x")
         print(f"   roofline bandwidth (read + write): {gbps:.1f} GB/s")
         for case, key in (
             ("no clip", "unscale_"),
@@ -365,6 +450,13 @@ def main() -> None:
         rows.append(
             (label, "no clip, against the kernel alone", med["ours unscale_"], med["the kernel alone"], roof, best)
         )
+        if not methods.fp16:
+            for case, key in (
+                ("drop-in: unscale_ + step + update", "drop-in: unscale_+step+update"),
+                ("drop-in: nanoGPT loop (unscale_, torch's clip_grad_norm_, step, update)", "drop-in: nanoGPT loop"),
+            ):
+                best = min(times[f"ours {key}"]) / min(times[f"torch {key}"])
+                rows.append((label, case, med[f"ours {key}"], med[f"torch {key}"], roof, best))
 
     print()
     print("## Results (median ms per call; ratios of medians)")
@@ -375,7 +467,13 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for label, case, ours, theirs, roof, best in rows:
-        target = _TARGET_NO_CLIP if case.startswith("no clip") else _TARGET_CLIP
+        target = (
+            _TARGET_DROP_IN
+            if case.startswith("drop-in")
+            else _TARGET_NO_CLIP
+            if case.startswith("no clip")
+            else _TARGET_CLIP
+        )
         judged = "not a target" if "alone" in case else verdict(ours / theirs, target)
         print(
             f"| {label} | {case} | {ours:.2f} | {theirs:.2f} | {roof:.2f} | {ours / theirs:.2f}x | {best:.2f}x | "

@@ -9,7 +9,8 @@ What is measured
     * ``32-true``: ``Trainer(precision="32-true")``. The monitor checks the gradients (unguarded there) and the
       parameters every step, and logs skipped steps and process memory.
     * ``bf16-mixed``: ``MixedPrecisionPlugin("bf16-mixed", device="cpu")``. The plugin checks the gradients; the
-      monitor checks the parameters and logs skipped steps, the plugin's gradient norm and memory.
+      monitor checks the parameters and logs skipped steps, the gradient norm and memory (the plugin's check measures
+      that norm, a second pass over the gradients, only because the monitor asks for it: ``engine.read_norms()``).
 
     each with three loggers:
 

@@ -34,8 +34,8 @@ How
     Target (reported): ours/Lightning <= 1.02x at each mixed precision.
 
     With ``--spike-guard``, each mixed precision compares ours with a ``SpikeGuard()`` (A) against ours without (B):
-    what the guard costs a step (its verdict from the norm the check measures anyway, and its statistics). Target
-    (reported): <= 1.01x.
+    what the guard costs a step (the global norm, which the check measures only for a guard or a reader, read with the
+    flag; the guard's verdict and its statistics). Target (reported): <= 1.01x.
 
     With ``--check-off``, bf16's "ours" is built with ``skip_nonfinite=False`` (no check, no norm, nothing skipped):
     against Lightning, what the rest of our step costs; beside the plain run, what the check costs.
