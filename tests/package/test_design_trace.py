@@ -20,6 +20,7 @@ from versions import needs
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = needs("python", "3.11", "benchmarks/trace_step.py's tracer (it reads code objects' co_qualname)")
+pytest.importorskip("torchao.float8", reason="the fp8-mixed rows trace torchao's recipe (the fp8 extra)")
 Counts = tuple[int, int] | None  # (functions, files); None where the reference refuses the set-up
 
 
