@@ -66,7 +66,8 @@ class RngState:
     def capture(cls, *, host: bool = False) -> RngState:
         """The state now; with ``host=True`` also Python's and NumPy's generators (NumPy's if it has been imported)."""
         accelerator = None
-        device = torch.accelerator.current_accelerator()
+        # Asked first: torch 2.6's current_accelerator() raises where there is none (later releases return None).
+        device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         if device is not None:
             module = torch.get_device_module(device)
             # An accelerator not initialised has drawn nothing yet: reading its generators would initialise it.

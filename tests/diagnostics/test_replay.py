@@ -40,6 +40,7 @@ class TwoDevices:
 @pytest.fixture
 def devices(monkeypatch: pytest.MonkeyPatch) -> TwoDevices:
     module = TwoDevices()
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda check_available=False: torch.device("cuda"))
     monkeypatch.setattr(torch, "get_device_module", lambda device=None: module)
     return module
@@ -56,6 +57,20 @@ def test_a_restore_replays_every_devices_draws_not_only_the_current_ones(devices
 def test_an_accelerator_not_initialised_is_left_alone(devices: TwoDevices) -> None:
     devices.initialized = False
     assert RngState.capture().accelerator is None
+
+
+def test_without_an_accelerator_the_cpu_generator_is_captured_where_torch_26_raises_on_asking_which(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def raises(check_available: bool = False) -> torch.device:
+        raise RuntimeError("Cannot access accelerator device when none is available.")  # torch 2.6's words
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", raises)
+    state = RngState.capture()
+    first = torch.rand(3)
+    state.restore()
+    assert state.accelerator is None and torch.equal(torch.rand(3), first)
 
 
 def test_with_host_the_python_generator_is_replayed_too() -> None:
