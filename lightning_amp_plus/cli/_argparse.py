@@ -162,8 +162,9 @@ class Parser(argparse.ArgumentParser):
         return f"unrecognized {noun} {listed}{end} `{self.prog} --help` lists the options."
 
 
-def _sentence(message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
-              ) -> str:  # fmt: skip
+def _sentence(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: str | None = None
+) -> str:
     return f"warning: {message}\n"
 
 

@@ -36,9 +36,25 @@ and how fast it runs, and whether a spike guard watches it (one may be added aft
 data or the precision."""
 # The settings a flag of `amp-plus train` sets, named as the flag in messages.
 _FLAGS = frozenset(
-    {"precision", "master_weights", "compensation", "width", "dropout", "lr", "hidden_dim", "embed_dim", "max_len",
-     "batch_size", "num_train", "num_val", "seed", "fp8_recipe", "fp8_check_interval", "fp8_fallback"}
-)  # fmt: skip
+    {
+        "precision",
+        "master_weights",
+        "compensation",
+        "width",
+        "dropout",
+        "lr",
+        "hidden_dim",
+        "embed_dim",
+        "max_len",
+        "batch_size",
+        "num_train",
+        "num_val",
+        "seed",
+        "fp8_recipe",
+        "fp8_check_interval",
+        "fp8_fallback",
+    }
+)
 
 
 class RunRecord(Callback):

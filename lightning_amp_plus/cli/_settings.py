@@ -353,9 +353,14 @@ class AmpSettings:
     def _changed(self) -> str:
         defaults = AmpSettings()
         names = (
-            "precision", "master_weights", "compensation", *_SCALER_FIELDS, "max_consecutive_skips", "spike_guard",
+            "precision",
+            "master_weights",
+            "compensation",
+            *_SCALER_FIELDS,
+            "max_consecutive_skips",
+            "spike_guard",
             *_FP8_FIELDS,
-        )  # fmt: skip
+        )
         return ", ".join(
             f"{name}={getattr(self, name)!r}" for name in names if getattr(self, name) != getattr(defaults, name)
         )

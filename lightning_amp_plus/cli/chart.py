@@ -66,8 +66,14 @@ def _comparison_figure(rows: Sequence[ComparisonRow], title: str) -> Any:
         texts = ["-" if v is None or not math.isfinite(v) else template.format(v) for v in values]
         reference = 1.0 if relative and template.endswith("x") else 0.0  # the 1.0x line: labels start past it
         for position, height, text in zip(positions, heights, texts, strict=True):
-            axis.annotate(text, (max(height, reference), position), xytext=(3, 0), textcoords="offset points",
-                          va="center", fontsize=8)  # fmt: skip
+            axis.annotate(
+                text,
+                (max(height, reference), position),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
         axis.set_title(label, fontsize=10)
         # Accuracy on its whole 0-1 range; the others from zero to a little past the longest bar and its label.
         axis.set_xlim(0, 1.12 if label == "validation accuracy" else max([*heights, reference, 1e-12]) * 1.25)

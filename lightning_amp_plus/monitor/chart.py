@@ -236,9 +236,14 @@ def _mark_autopsies(axis: Any, autopsies: Sequence[Any]) -> None:
     for number, found in enumerate(autopsies[:_AUTOPSIES_SHOWN], start=1):
         axis.axvline(found.step, color="black", linestyle=":", linewidth=1)
         axis.annotate(
-            f"A{number}", (found.step, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -10),
-            textcoords="offset points", fontsize=8, fontweight="bold",
-        )  # fmt: skip
+            f"A{number}",
+            (found.step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, -10),
+            textcoords="offset points",
+            fontsize=8,
+            fontweight="bold",
+        )
 
 
 def _autopsy_notes(figure: Any, autopsies: Sequence[Any]) -> None:
@@ -290,9 +295,15 @@ def _headroom_panels(figure: Any, step: int, reading: dict[str, Any]) -> None:
     lost_axis.set_xlim(0, max(1.0, max(f + n for f, n in zip(flushed, subnormal, strict=True)) * 1.15))
     if not any(flushed) and not any(subnormal):  # no bar at all: say it, or the empty panel reads as not measured
         lost_axis.text(
-            0.5, 0.5, f"0% in every layer:\nno gradient value flushed\nto zero or subnormal in {dtype}",
-            transform=lost_axis.transAxes, ha="center", va="center", fontsize=8, color="dimgray",
-        )  # fmt: skip
+            0.5,
+            0.5,
+            f"0% in every layer:\nno gradient value flushed\nto zero or subnormal in {dtype}",
+            transform=lost_axis.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="dimgray",
+        )
     _legend_below(lost_axis)
     for axis in (bits_axis, lost_axis):
         axis.grid(True, axis="x", alpha=0.3)
@@ -396,18 +407,30 @@ def _draw_fp8(axis: Any, record: Any) -> None:
     if top.flushed_pct > 0:
         side = inward(top.step)
         axis.annotate(
-            f"`{top.layer}` {top.cast}", (top.step, top.flushed_pct), xytext=(side["dx"], 5),
-            textcoords="offset points", ha=side["ha"], va="bottom", fontsize=7,
-        )  # fmt: skip
+            f"`{top.layer}` {top.cast}",
+            (top.step, top.flushed_pct),
+            xytext=(side["dx"], 5),
+            textcoords="offset points",
+            ha=side["ha"],
+            va="bottom",
+            fontsize=7,
+        )
     for number, (step, layer) in enumerate(record.fell_back):
         axis.axvline(
             step, color="tab:purple", linestyle=":", label="FP8 layer fell back to bf16" if not number else None
         )
         side = inward(step)
         axis.annotate(
-            layer, (step, 1.0), xycoords=("data", "axes fraction"), xytext=(side["dx"], -3),
-            textcoords="offset points", ha=side["ha"], va="top", fontsize=7, color="tab:purple",
-        )  # fmt: skip
+            layer,
+            (step, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(side["dx"], -3),
+            textcoords="offset points",
+            ha=side["ha"],
+            va="top",
+            fontsize=7,
+            color="tab:purple",
+        )
     # Room above the highest point for its label, and above that for the fallbacks' labels.
     axis.set_ylim(0, max(axis.get_ylim()[1], record.warn_pct * 1.3, top.flushed_pct * 1.5))
 

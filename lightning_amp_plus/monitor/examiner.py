@@ -140,9 +140,15 @@ class Replay:
         """Where the batch's first inf/NaN started (``None`` if the replay is finite)."""
         with self._suspended(), _attributes_kept(self.model):
             return run_autopsy(
-                self.model, self.run, rng=rng, scale=scale, step=step, dtype=self.dtype, autocast=self.autocast,
+                self.model,
+                self.run,
+                rng=rng,
+                scale=scale,
+                step=step,
+                dtype=self.dtype,
+                autocast=self.autocast,
                 min_scale=self.min_scale,
-            )  # fmt: skip
+            )
 
     def headroom(self, rng: RngState, scale: float) -> dict[str, LayerHeadroom]:
         """Per-layer headroom from an FP32 replay of the batch."""

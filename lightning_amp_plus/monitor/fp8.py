@@ -234,8 +234,10 @@ def fp8_sentences(record: FP8Record) -> list[str]:
             )
     if record.fallen_back:
         when = dict((layer, step) for step, layer in record.fell_back)
-        named = [f"`{layer}` " + (f"at step {when[layer]}" if layer in when else "before this run") for layer in
-                 record.fallen_back]  # fmt: skip
+        named = [
+            f"`{layer}` " + (f"at step {when[layer]}" if layer in when else "before this run")
+            for layer in record.fallen_back
+        ]
         noun = "FP8 layer" if len(named) == 1 else "FP8 layers"
         parts.append(f"{noun} sent back to bf16: {', '.join(named)}")
     for step, layers in record.nonfinite[:1]:

@@ -1020,8 +1020,12 @@ def _step_with_flags(
 
 
 def _skip_limit(value: int | None) -> int | None:
-    require(value is None or (is_int(value) and value >= 1), "max_consecutive_skips", value,
-            "must be an int >= 1, or None to never stop")  # fmt: skip
+    require(
+        value is None or (is_int(value) and value >= 1),
+        "max_consecutive_skips",
+        value,
+        "must be an int >= 1, or None to never stop",
+    )
     return None if value is None else int(value)
 
 
