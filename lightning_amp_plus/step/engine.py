@@ -498,12 +498,11 @@ class GradientCheck:
             read.append(now.norm.reshape(1))
             if clip is not None:
                 read.append(_grads.clip_coefficient(now.norm, clip).reshape(1))
-        if self.loss_scale is not None:
-            read += [self.loss_scale.scale.reshape(1), self.loss_scale.trackers[1:]]
         # The step's one host read, every value read exactly: in the trackers' float64 (float32 on MPS, which has no
         # float64); without a loss scale, in the widest of the flag's float32 and the norm's dtype.
         device, wide = now.found.device, torch.float32
-        if self.loss_scale is not None:
+        if self.loss_scale is not None:  # placed on the flag's device if no unscale placed it (a check by 1.0)
+            read += [self.loss_scale.tensor(device).reshape(1), self.loss_scale.trackers[1:]]
             wide = self.loss_scale.trackers.dtype
         elif now.norm is not None:
             wide = torch.promote_types(wide, now.norm.dtype)
