@@ -33,8 +33,8 @@ __all__ = [
 
 # Counters in a state above this are corrupt, not large: 2**62 optimizer steps would take longer than the universe.
 COUNTER_MAX = 2**62
-# Growth interval, hysteresis and their trackers: the device runs the policy on them in float64, exact up to 2**53.
-TRACKER_MAX = 2**53
+# Growth interval and hysteresis: their trackers are int32 on the device (GradScaler's update kernel's type).
+TRACKER_MAX = 2**31 - 1
 
 
 def show(value: object) -> str:
@@ -113,7 +113,7 @@ def read_count(state: Mapping[str, Any], key: str, default: int, limit: int = CO
     """Read a tracker or counter: an int in ``[0, limit]`` (a negative or absurd one would move the skip limit)."""
     value: int = read_number(state, key, int, default)
     if not 0 <= value <= limit:
-        bound = "2**62" if limit == COUNTER_MAX else "2**53" if limit == TRACKER_MAX else str(limit)
+        bound = "2**62" if limit == COUNTER_MAX else "2**31 - 1" if limit == TRACKER_MAX else str(limit)
         raise ValueError(
             f"The scaler state holds {key}={show(value)}; counters and trackers must be ints in [0, {bound}]: the "
             "state is corrupt. Remove it to start with a fresh scaler."

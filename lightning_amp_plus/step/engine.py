@@ -474,8 +474,8 @@ class GradientCheck:
             if by_one or self.loss_scale is None:
                 inverse = _filled(1.0, where)
             else:  # as GradScaler: 1 / scale in float64 (float32 on MPS), rounded once to float32
-                scale = self.loss_scale.tensor(where)  # places the state first: its trackers' dtype is the wide one
-                inverse = scale.to(self.loss_scale.trackers.dtype).reciprocal().float().reshape(1)
+                scale = self.loss_scale.tensor(where)  # places the state first, which sets its wide dtype
+                inverse = scale.to(self.loss_scale.wide).reciprocal().float().reshape(1)
             torch._amp_foreach_non_finite_check_and_unscale_(values, here, inverse)
             if here is not found:
                 found += here.to(device)
@@ -498,12 +498,12 @@ class GradientCheck:
             read.append(now.norm.reshape(1))
             if clip is not None:
                 read.append(_grads.clip_coefficient(now.norm, clip).reshape(1))
-        # The step's one host read, every value read exactly: in the trackers' float64 (float32 on MPS, which has no
-        # float64); without a loss scale, in the widest of the flag's float32 and the norm's dtype.
+        # The step's one host read, every value read exactly: in the loss scale's float64 (float32 on MPS, which has
+        # no float64); without a loss scale, in the widest of the flag's float32 and the norm's dtype.
         device, wide = now.found.device, torch.float32
         if self.loss_scale is not None:  # placed on the flag's device if no unscale placed it (a check by 1.0)
-            read += [self.loss_scale.tensor(device).reshape(1), self.loss_scale.trackers[1:]]
-            wide = self.loss_scale.trackers.dtype
+            read += [self.loss_scale.tensor(device).reshape(1), self.loss_scale.hysteresis.reshape(1)]
+            wide = self.loss_scale.wide
         elif now.norm is not None:
             wide = torch.promote_types(wide, now.norm.dtype)
         values = torch.cat([value.to(device, wide) for value in read]).tolist()
@@ -557,13 +557,13 @@ class GradientCheck:
         Measured, the norms are of the scaled gradients, read-only: each one's kept to name the non-finite ones.
         """
         device, loss_scale = now.found.device, self.loss_scale
-        nan = torch.full((1,), math.nan, device=device)
+        nan = _filled(math.nan, device)  # cached: only read
         norm, namer = nan, None
         if measure:
             norms = _grads.measure(self.local(now.params), device)
             norm = _grads.global_norm(now.grads, device, self.ranks).reshape(1).to(device)
             namer = functools.partial(self.nonfinite_names, optimizer, now.params, norms)
-        state = [nan, nan] if loss_scale is None else [loss_scale.scale.reshape(1), loss_scale.trackers[1:].float()]
+        state = [nan, nan] if loss_scale is None else [loss_scale.scale.reshape(1), loss_scale.hysteresis.reshape(1)]
         return torch.cat([now.found, norm.float(), *(value.to(device) for value in state)]), namer
 
     def diagnosis(self, result: StepResult, slot: _Slot | None, skips: SkipCount) -> str:

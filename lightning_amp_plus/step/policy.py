@@ -3,13 +3,12 @@
 * :class:`ScalePolicy`: the constants (growth and backoff factors, the growth interval, the hysteresis, the floor and
   the ceiling), and what they imply (whether an overflow lowers the scale, how many can).
 * :class:`LossScale`: the state (the float32 scale a loss is multiplied by, and the two trackers), its reads, and the
-  one transition, :meth:`LossScale.advance`, written with tensor operations. It runs on the scale's device from an
-  overflow flag on that device, so the unscale path (whose flag the host has read anyway) and the fused-optimizer path
-  (whose flag stays on the device) move the scale with the same code and no host read. Kept apart from the code that
-  touches gradients, as Megatron-LM's ``DynamicGradScaler`` is, so it can be read and tested on its own.
+  one transition, :meth:`LossScale.advance`. It runs on the scale's device from an overflow flag on that device, so
+  the unscale path (whose flag the host has read anyway) and the fused-optimizer path (whose flag stays on the device)
+  move the scale with the same code and no host read. Kept apart from the code that touches gradients, as
+  Megatron-LM's ``DynamicGradScaler`` is, so it can be read and tested on its own.
 
-The transitions (``g``: growth tracker, ``h``: hysteresis tracker, ``s``: scale); with ``hysteresis=1`` they are
-``torch.amp.GradScaler``'s, bit for bit (``tests/step/test_policy.py`` runs GradScaler's own update beside them):
+The transitions (``g``: growth tracker, ``h``: hysteresis tracker, ``s``: scale):
 
 ======================  ==========  =================  ==========================
 case                    ``g``       ``h``              ``s``
@@ -17,12 +16,17 @@ case                    ``g``       ``h``              ``s``
 clean, no growth due    ``g + 1``   ``h``              ``s``
 clean, growth due       0           ``hysteresis``     ``min(s * growth, max)``
 overflow, ``h >= 2``    0           ``h - 1``          ``s``
-overflow, ``h <= 1``    0           0                  ``max(s * backoff, min)``
+overflow, ``h <= 1``    0           ``max(h - 1, 0)``  ``max(s * backoff, min)``
 ======================  ==========  =================  ==========================
 
-Products are taken in float64 and rounded once to float32, as torch's update kernel does (a float scale times a double
-factor); the trackers are exact integers in float64. MPS has no float64: there both are float32 (:func:`wide_dtype`), as
-GradScaler's own arithmetic is on MPS.
+The scale and the growth tracker move by ``torch.amp.GradScaler``'s own update kernel (``torch._amp_update_scale_``:
+one op, products taken in float64 and rounded once to float32, a growth that would leave float32's range not taken),
+then the bounds clamp the scale (one op): with ``hysteresis=1`` the machine is GradScaler's, bit for bit, within the
+bounds (``tests/step/test_policy.py`` runs GradScaler's update beside it). The hysteresis is a few ops around the
+kernel, run only when ``hysteresis > 1``: an overflow it tolerates reaches the kernel as a clean step from a growth
+tracker of -1, which leaves the scale and ends at 0 (the same test file checks it against Megatron-LM's rule). With
+``hysteresis=1`` the hysteresis tracker stays where it is: every overflow backs off whatever it holds. The trackers are
+int32, as GradScaler's growth tracker (the kernel's type): intervals up to ``2**31 - 1``.
 """
 
 from __future__ import annotations
@@ -95,65 +99,74 @@ class ScalePolicy:
 class LossScale:
     """The loss scale's state: the float32 scale a loss is multiplied by, and its growth and hysteresis trackers.
 
-    Both tensors live on the device of the first loss scaled (the CPU before) and move only by
+    The three tensors live on the device of the first loss scaled (the CPU before) and move only by
     :meth:`advance` or an explicit :meth:`set`; :meth:`read` brings them to the host
     (one read). The policy's constants are :attr:`policy`, replaced whole by :meth:`reconfigure`.
 
-    State: :attr:`policy`, :attr:`scale`, :attr:`trackers`, and whether they have been placed on a device yet.
+    State: :attr:`policy`, :attr:`scale` (0-d float32), :attr:`growth` and :attr:`hysteresis` (0-d int32), and
+    :attr:`wide`, the dtype exact reads use on their device (:func:`wide_dtype`), set when they are placed.
 
     Examples:
         >>> scale = LossScale(ScalePolicy(2.0, 0.5, 1, 1, min_scale=1.0, max_scale=2.0**24), 8.0)
         >>> scale.advance(torch.tensor(0.0)); scale.value()
         16.0
         >>> scale.advance(torch.tensor(1.0)); scale.read()
-        (8.0, 0, 0)
+        (8.0, 0, 1)
     """
 
     def __init__(self, policy: ScalePolicy, init_scale: float) -> None:
         self.policy = policy
         self.scale = torch.full((), f32(init_scale), dtype=torch.float32)
-        self.trackers = torch.tensor([0.0, float(policy.hysteresis)], dtype=torch.float64)
+        self.growth = torch.zeros((), dtype=torch.int32)
+        self.hysteresis = torch.full((), policy.hysteresis, dtype=torch.int32)
+        self.wide = torch.float64
         self._placed = False
 
     def tensor(self, device: torch.device) -> Tensor:
         """The scale on ``device``: the first device asked keeps the state, another gets a copy."""
         if not self._placed:
             self._placed = True
-            self.scale, self.trackers = self.scale.to(device), self.trackers.to(device, wide_dtype(device))
+            self.scale, self.growth = self.scale.to(device), self.growth.to(device)
+            self.hysteresis = self.hysteresis.to(device)
+            self.wide = wide_dtype(device)
         return self.scale if self.scale.device == device else self.scale.to(device, non_blocking=True)
 
     def advance(self, found_inf: Tensor) -> None:
         """One step of the policy, in place, on the scale's device: no host read.
 
-        ``found_inf`` is the step's overflow flag (nonzero: an overflow), one element on any device.
+        ``found_inf`` is the step's overflow flag (float32, nonzero: an overflow), one element on any device.
 
         Examples:
-            >>> scale = LossScale(ScalePolicy(2.0, 0.5, 2, 1, min_scale=1.0, max_scale=2.0**24), 8.0)
-            >>> for found_inf in (0.0, 0.0, 1.0):
+            >>> scale = LossScale(ScalePolicy(2.0, 0.5, 2, 2, min_scale=1.0, max_scale=2.0**24), 8.0)
+            >>> for found_inf in (0.0, 0.0, 1.0, 1.0):
             ...     scale.advance(torch.tensor(found_inf)); print(scale.read())
-            (8.0, 1, 1)
+            (8.0, 1, 2)
+            (16.0, 0, 2)
             (16.0, 0, 1)
             (8.0, 0, 0)
         """
-        policy, scale, trackers = self.policy, self.scale, self.trackers
+        policy, scale, growth = self.policy, self.scale, self.growth
         if policy.min_scale == policy.max_scale:
             return  # equal bounds: a fixed scale (its trackers mean nothing)
-        overflow = found_inf.reshape(()).to(scale.device) != 0
-        growth, hysteresis = trackers[0], trackers[1]
-        tolerated = overflow & (hysteresis >= 2)
-        backs_off = overflow & ~tolerated
-        counted = growth + 1
-        grows = ~overflow & (counted >= policy.growth_interval)
-        one = torch.ones_like(growth)  # float64: the factors stay doubles in the product, as in torch's kernel
-        factor = torch.where(backs_off, policy.backoff_factor, torch.where(grows, policy.growth_factor, one))
-        product = scale.to(factor.dtype) * factor
-        scale.copy_(product.clamp_(policy.min_scale, policy.max_scale))  # rounded once to float32
-        kept = torch.where(tolerated, hysteresis - 1, torch.where(grows, float(policy.hysteresis), hysteresis))
-        trackers.copy_(torch.stack([torch.where(overflow | grows, 0.0, counted), torch.where(backs_off, 0.0, kept)]))
+        found = found_inf if found_inf.device == scale.device else found_inf.to(scale.device)
+        if policy.hysteresis > 1:
+            overflow = found.reshape(()) != 0
+            tolerated = overflow & (self.hysteresis >= 2)
+            # A tolerated overflow is the kernel's clean step from -1: the scale stays, the tracker ends at 0.
+            growth.masked_fill_(tolerated, -1)
+            found = found.reshape(()).masked_fill(tolerated, 0.0)
+        torch._amp_update_scale_(
+            scale, growth, found, policy.growth_factor, policy.backoff_factor, policy.growth_interval
+        )
+        scale.clamp_(policy.min_scale, policy.max_scale)
+        if policy.hysteresis > 1:
+            self.hysteresis.sub_(overflow.int()).clamp_(min=0)
+            self.hysteresis.masked_fill_(~overflow & (growth == 0), policy.hysteresis)  # a growth refills it
 
     def read(self) -> tuple[float, int, int]:
         """``(scale, growth tracker, hysteresis tracker)`` on the host (one read)."""
-        scale, growth, hysteresis = torch.cat([self.scale.to(self.trackers.dtype).reshape(1), self.trackers]).tolist()
+        values = torch.stack([self.scale.to(self.wide), self.growth.to(self.wide), self.hysteresis.to(self.wide)])
+        scale, growth, hysteresis = values.tolist()
         return scale, int(growth), int(hysteresis)
 
     def value(self) -> float:
@@ -164,13 +177,19 @@ class LossScale:
         """Set the scale (and the trackers, when given): host values written to the device, no read."""
         self.scale.fill_(f32(scale))
         if growth_tracker is not None:
-            self.trackers[0].fill_(float(growth_tracker))
+            self.growth.fill_(growth_tracker)
         if hysteresis_tracker is not None:
-            self.trackers[1].fill_(float(hysteresis_tracker))
+            self.hysteresis.fill_(hysteresis_tracker)
 
     def reconfigure(self, **constants: float) -> None:
-        """Change the policy's constants (``growth_factor=...``); the state stays."""
+        """Change the policy's constants (``growth_factor=...``); the state stays, the trackers within the new ones.
+
+        No host read: a growth tracker past a shorter interval is brought to its end on the device (the next clean
+        step grows, as it would have), a hysteresis tracker past a smaller hysteresis to the new one.
+        """
         self.policy = dataclasses.replace(self.policy, **constants)  # type: ignore[arg-type]
+        self.growth.clamp_(max=self.policy.growth_interval - 1)
+        self.hysteresis.clamp_(max=self.policy.hysteresis)
 
     def stall(self, scale: float) -> Stall:
         """Why skips at ``scale`` are stuck, and what to try (for the diagnosis that stops a run)."""

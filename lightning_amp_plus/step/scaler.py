@@ -393,7 +393,7 @@ def _check_interval(argument: str, value: object, hint: str, owner: str = "Dynam
         is_int(value) and 1 <= value <= TRACKER_MAX,  # type: ignore[operator]
         argument,
         value,
-        f"must be an int in [1, 2**53], {hint}",
+        f"must be an int in [1, 2**31 - 1], {hint}",
         owner,
     )
 

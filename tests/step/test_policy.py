@@ -79,9 +79,11 @@ def test_scale_never_exceeds_the_ceiling() -> None:
 
 
 def test_a_ceiling_near_float32_max_never_gives_inf() -> None:
+    # As GradScaler: a growth whose product leaves float32's range is not taken (the scale stays where it is).
     top = torch.finfo(torch.float32).max
     out = run(policy(growth_interval=1, growth_factor=4.0, max_scale=top), [False] * 10, init=2.0**120)
-    assert out[-1] == top
+    assert out == grad_scaler_kernel([False] * 10, 2.0**120, 4.0, 0.5, 1)
+    assert out[-1] == 2.0**126 and all(value <= top for value in out)
 
 
 def test_a_policy_with_equal_bounds_is_fixed_and_never_changes() -> None:
@@ -128,6 +130,17 @@ def test_the_trackers_are_megatrons() -> None:
         scale.advance(torch.tensor(float(overflow)))
         seen.append(scale.read()[1:])
     assert seen == [(1, 3), (0, 2), (1, 2), (2, 2), (0, 1), (0, 0), (1, 0)]
+
+
+def test_a_shorter_growth_interval_set_on_the_way_grows_at_the_next_clean_step() -> None:
+    # The update kernel grows when the tracker reaches the interval exactly: a tracker left past a shortened interval
+    # would never grow again unless the change brings it within.
+    scale = LossScale(policy(growth_interval=10), 8.0)
+    for _ in range(6):
+        scale.advance(torch.tensor(0.0))
+    scale.reconfigure(growth_interval=3)
+    scale.advance(torch.tensor(0.0))
+    assert scale.read() == (16.0, 0, 1)
 
 
 def test_moving_the_scale_reads_nothing_on_the_host() -> None:

@@ -80,7 +80,8 @@ class Reference:
     """The documented scaler, one optimizer, in plain Python.
 
     * A clean step counts towards growth; ``growth_interval`` clean steps in a row multiply the scale by
-      ``growth_factor`` (capped at ``max_scale``) and start a new hysteresis period, even when the cap holds the scale.
+      ``growth_factor`` (capped at ``max_scale``) and start a new hysteresis period, even when the cap holds the scale;
+      as GradScaler, a growth whose float32 product is inf is not taken (the scale stays).
     * An overflow restarts the growth count; the ``hysteresis``-th overflow since the last growth (or the start)
       multiplies the scale by ``backoff_factor`` (floored at ``min_scale``), and so does every later one until the
       next growth.
@@ -121,7 +122,8 @@ class Reference:
             if self.clean_in_a_row == self.hyper.growth_interval:
                 self.clean_in_a_row = 0
                 self.overflows_since_growth = 0
-                self.scale = min(to_f32(self.scale * self.hyper.growth_factor), self.max_scale)
+                grown = to_f32(self.scale * self.hyper.growth_factor)
+                self.scale = min(grown, self.max_scale) if math.isfinite(grown) else self.scale
         return self.scale != before
 
     def step(self, overflow: bool) -> bool:
