@@ -41,7 +41,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +87,7 @@ class StepResult:
         backed_off: whether the step's overflow lowered the loss scale (a skip that did not is *stuck*).
         index: the engine's count of optimizer steps before this one (``None`` for a result made by hand).
         optimizer: the optimizer's position among the engine's optimizers (``None`` for a result made by hand).
+        resolved: always ``True``: a result's values are on the host (a :class:`PendingStep` says whether its are).
 
     Examples:
         >>> StepResult(skipped=False, grad_norm=2.0)
@@ -103,6 +104,7 @@ class StepResult:
     backed_off: bool = False
     index: int | None = None
     optimizer: int | None = None
+    resolved: ClassVar[bool] = True
 
     @property
     def overflowed(self) -> bool:

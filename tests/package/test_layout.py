@@ -116,13 +116,17 @@ def test_the_package_imports_have_no_cycle() -> None:
             visit(node, [node])
 
 
-# The one private amp kernel the library calls, and where: GradScaler's own check-and-unscale, the engine's check
-# (GradientCheck.unscale), so that the check is GradScaler's, numbers and cost alike.
-ALLOWED_AMP_KERNELS = {"step/engine.py": ["_amp_foreach_non_finite_check_and_unscale_"]}
+# The two private amp kernels the library calls, and where: GradScaler's own check-and-unscale, the engine's check
+# (GradientCheck.unscale), and GradScaler's own update, the loss scale's (LossScale.advance), so that the check and the
+# scale's moves are GradScaler's, numbers and cost alike.
+ALLOWED_AMP_KERNELS = {
+    "step/engine.py": ["_amp_foreach_non_finite_check_and_unscale_"],
+    "step/policy.py": ["_amp_update_scale_"],
+}
 
 
 @pytest.mark.parametrize("module", ALL_MODULES)
-def test_library_calls_no_private_amp_kernel_but_gradscalers_check_in_the_engine(module: str) -> None:
+def test_library_calls_no_private_amp_kernel_but_gradscalers_check_and_update(module: str) -> None:
     tree = ast.parse((PACKAGE / module).read_text())
     calls = [node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr.startswith("_amp_")]
     assert calls == ALLOWED_AMP_KERNELS.get(module, []), f"{module} uses {calls}"

@@ -11,14 +11,14 @@ calls :meth:`~FP8Training.convert` once before building the optimizer, then eith
   :meth:`~FP8Training.finish_check` after its optimizer step, :meth:`~FP8Training.nonfinite_layers` when a step was
   skipped, and :meth:`~FP8Training.end_step` after every step.
 
-**What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the two
-hooks of each converted layer (:class:`LayerGuard`), two identity autograd functions around it (:class:`_Probe` on
-its input, :class:`_Carry` on its output), and the two calls around the step. The non-finite flags come from values
-the casts produce (the first column of the layer's output in forward; the first column of the gradient it hands to
-its input in backward: see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each becomes
-the gradient of a small leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check step the
-same hooks count the casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way: no hook is
-added or removed, one switch is turned.
+**What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the two hooks
+of each converted layer (:class:`LayerGuard`), one identity autograd function applied around it (:class:`_Flags`, on its
+input and on its output), and the two calls around the step. The non-finite flags come from values the casts produce
+(the first column of the layer's output in forward; the first column of the gradient it hands to its input in backward:
+see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each becomes the gradient of a small
+leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check step the same hooks count the
+casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way: no hook is added or removed, one
+switch is turned.
 
 **Under torch.compile** all of it compiles into the graph without a break: a hook reads tensors (graph inputs it does
 not write), one switch (``reading``: a check step compiles a second graph, once) and each layer's position in the
@@ -106,18 +106,21 @@ class FP8Check:
 class Outcome(Protocol):
     """What :meth:`FP8Training.after_step` needs to know of a step.
 
-    A :class:`~lightning_amp_plus.step.engine.StepResult` has it; a fused optimizer's step whose fate is still on the
-    device (a :class:`~lightning_amp_plus.step.engine.PendingStep`) also says whether it is ``resolved``.
+    A :class:`~lightning_amp_plus.step.engine.StepResult` (always ``resolved``) has it, and a fused optimizer's step
+    whose fate may still be on the device (a :class:`~lightning_amp_plus.step.engine.PendingStep`).
     """
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the step's fate is known on the host (reading the others then costs no device read)."""
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the step was skipped (for inf/NaN, or a spike)."""
 
     @property
     def overflowed(self) -> bool:
         """Whether the step was skipped because its gradients held inf/NaN."""
-
-
-def _resolved(outcome: Outcome) -> bool:
-    """Whether the step's fate is known on the host (reading ``overflowed`` then costs no device read)."""
-    return bool(getattr(outcome, "resolved", True))
 
 
 # ----------------------------------------------------------------------------------------------- one layer's hooks
@@ -174,78 +177,55 @@ def nonfinite_flag(value: Tensor) -> Tensor:
     return (low.float() * 0).add_(high.float(), alpha=0)
 
 
-class _Probe(torch.autograd.Function):
-    """The identity on a layer's input; in backward, the flag of what the layer's backward casts met.
+class _Flags(torch.autograd.Function):
+    """The identity on a layer's input or output; in backward, the layer's flags handed to its leaf tensors as grads.
 
-    The gradient the layer hands back to its input is ``grad_output @ weight`` from float8 casts of ``grad_output``:
-    a non-finite value anywhere in a row of ``grad_output`` makes that row's scale (or the tensor's) non-finite, and
-    so the whole row of this gradient, its first column included. The flag (0, or NaN) becomes the gradient of the
-    layer's ``backward_sink``, a leaf tensor: autograd adds it up over micro-batches, on the device, in eager and
-    compiled backward alike (a hook writing a tensor from backward would not compile).
-    """
+    The flags are non-finite flags, and on a check step the casts' counts.
 
-    @staticmethod
-    def forward(ctx: Any, value: Tensor, sink: Tensor) -> Tensor:
-        return value.view_as(value)
+    Gradients, not in-place writes: autograd adds them up over micro-batches, on the device, in eager and compiled
+    backward alike (a hook writing a tensor from backward would not compile). Written in place, the forward's flag
+    would also be one more input the compiled graph mutates, which reorders how inductor fuses the model's own kernels
+    (measured: the parameters then differ from torchao's compiled path, 1.3e-2 after 4 steps of the tiny Llama under
+    the Trainer); carried, it is one more value the forward saves for backward, and the kernels stay torchao's
+    (tests/plugins/test_fp8_compile.py).
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        return grad, nonfinite_flag(grad[..., :1])
+    On the layer's input (``flag`` ``None``): the gradient the layer hands back to its input is ``grad_output @
+    weight`` from float8 casts of ``grad_output``: a non-finite value anywhere in a row of ``grad_output`` makes that
+    row's scale (or the tensor's) non-finite, and so the whole row of this gradient, its first column included. That
+    column's flag (0, or NaN) becomes the gradient of ``backward_sink``.
 
-
-class _Carry(torch.autograd.Function):
-    """The identity on a layer's output; carries the forward's flag into backward, as the gradient of a sink.
-
-    Written in place, the flag would be one more input the compiled graph mutates, which reorders how inductor fuses
-    the model's own kernels (measured: the parameters then differ from torchao's compiled path, 1.3e-2 after 4 steps
-    of the tiny Llama under the Trainer); carried, it is one more value the forward saves for backward, and the
-    kernels stay torchao's (tests/plugins/test_fp8_compile.py).
-
-    Given ``backward_sink`` (a layer whose input needs no gradient, so that no :class:`_Probe` sees its backward), the
-    backward flag is taken here, from the whole output gradient its casts read.
-    """
-
-    @staticmethod
-    def forward(ctx: Any, value: Tensor, sink: Tensor, flag: Tensor, backward_sink: Tensor | None) -> Tensor:
-        ctx.save_for_backward(flag)
-        ctx.whole = backward_sink is not None
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, Tensor | None]:
-        (flag,) = ctx.saved_tensors
-        return grad, flag, None, nonfinite_flag(grad) if ctx.whole else None
-
-
-class _CarryCounts(torch.autograd.Function):
-    """:class:`_Carry` on a check step: with the forward casts' counts, and the output-gradient casts' counted here.
-
-    All of a layer's counts (:func:`~lightning_amp_plus.weights.fp8.readings.count_rows`: the forward casts' rows, then
-    the output-gradient casts') become the gradient of its ``count_sink``.
+    On the layer's output: the forward's ``flag`` becomes the gradient of ``sink``. Given ``backward_sink`` (a layer
+    whose input needs no gradient, so that no input saw its backward), the backward flag is read here, from the whole
+    output gradient its casts read. Given ``count_sink`` (a check step), the forward casts' ``counts`` and the
+    output-gradient casts' (:func:`~lightning_amp_plus.weights.fp8.readings.count_rows` of ``casts``, counted here)
+    become its gradient.
     """
 
     @staticmethod
     def forward(
         ctx: Any,
         value: Tensor,
-        sink: Tensor,
-        flag: Tensor,
+        sink: Tensor | None,
+        flag: Tensor | None,
         backward_sink: Tensor | None,
-        count_sink: Tensor,
-        counts: Tensor,
-        casts: tuple[Cast, ...],
+        count_sink: Tensor | None = None,
+        counts: Tensor | None = None,
+        casts: tuple[Cast, ...] = (),
     ) -> Tensor:
         ctx.save_for_backward(flag, counts)
-        ctx.whole = backward_sink is not None
+        ctx.read = backward_sink is not None
+        ctx.whole = flag is not None  # on the output: the whole gradient (its casts read it all)
         ctx.casts = casts
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, Tensor | None, Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         flag, counts = ctx.saved_tensors
-        with torch.no_grad():
-            counts = torch.cat([counts, count_rows(ctx.casts, {"grad_output": grad}, grad.device)])
-        return grad, flag, None, nonfinite_flag(grad) if ctx.whole else None, counts, None, None
+        seen = nonfinite_flag(grad if ctx.whole else grad[..., :1]) if ctx.read else None
+        if counts is not None:
+            with torch.no_grad():
+                counts = torch.cat([counts, count_rows(ctx.casts, {"grad_output": grad}, grad.device)])
+        return grad, flag, None, seen, counts, None, None
 
 
 def _note_position(guard: LayerGuard) -> bool:
@@ -268,14 +248,13 @@ _note_position_once: Callable[[LayerGuard], bool] = torch.compiler.assume_consta
 class LayerGuard:
     """The hooks of one converted layer, and its flags and counts on the device.
 
-    The forward pre-hook leaves inference mode where it is on (torchao's float8 tensor cannot run under it: the
-    forward runs as under ``torch.no_grad()``, the same numbers), casts the input as torchao does under CUDA autocast
-    for a recipe with a high-precision GEMM (:func:`input_as_cast`), and wraps a training input in :class:`_Probe`.
-    The forward hook flags the output's first column (see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`), on check
-    steps counts the input and weight casts, and wraps the output in :class:`_Carry` (:class:`_CarryCounts`), which
-    hands both to backward. An output that needs no gradient (a frozen layer on a frozen input) has no backward: its
-    flag and counts are added in place to :attr:`flag` and :attr:`counts`. A guard without ``run`` only casts and
-    leaves inference mode.
+    The forward pre-hook leaves inference mode where it is on (torchao's float8 tensor cannot run under it: the forward
+    runs as under ``torch.no_grad()``, the same numbers), casts the input as torchao does under CUDA autocast for a
+    recipe with a high-precision GEMM (:func:`input_as_cast`), and wraps a training input in :class:`_Flags`. The
+    forward hook flags the output's first column (see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`), on check steps
+    counts the input and weight casts, and wraps the output in :class:`_Flags`, which hands both to backward. An output
+    that needs no gradient (a frozen layer on a frozen input) has no backward: its flag and counts are added in place to
+    :attr:`flag` and :attr:`counts`. A guard without ``run`` only casts and leaves inference mode.
 
     Args:
         name: the layer's name (``named_modules()`` of the model that was converted).
@@ -351,7 +330,7 @@ class LayerGuard:
         given = args[0] if args else kwargs.get("input")
         value = input_as_cast(given, every_device=True) if self.cast_every_device else given
         if self.run is not None and isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled():
-            value = _Probe.apply(value, self.backward_sink)
+            value = _Flags.apply(value, None, None, self.backward_sink)
         if value is given:
             return None
         return ((value, *args[1:]), kwargs) if args else (args, {**kwargs, "input": value})
@@ -376,10 +355,10 @@ class LayerGuard:
             probed = isinstance(given, Tensor) and given.requires_grad
             unprobed = None if probed else self.backward_sink
             if counts is None:
-                carried: Tensor = _Carry.apply(output, self.forward_sink, flag, unprobed)
+                carried: Tensor = _Flags.apply(output, self.forward_sink, flag, unprobed)
             else:
                 casts = self.casts[self.forward_casts :]
-                carried = _CarryCounts.apply(output, self.forward_sink, flag, unprobed, self.count_sink, counts, casts)
+                carried = _Flags.apply(output, self.forward_sink, flag, unprobed, self.count_sink, counts, casts)
             return carried
         self.flag.add_(flag)  # NaN once anything non-finite was seen, until the step's end
         if counts is not None:
@@ -646,12 +625,13 @@ class FP8Training:
             found = self.finish_check(reduce, warn)
             check = FP8Check(found.readings, found.fell_back, self._steps)
             self.checks.append(check)
-        if outcome is not None and (not _resolved(outcome) or outcome.overflowed):
+        if outcome is not None and (not outcome.resolved or outcome.skipped):
             # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
-            # over every weight at every step would cost more than the step's flags).
-            kept = [(earlier, names) for earlier, names in self._kept if not _resolved(earlier) or earlier.overflowed]
-            last = max((i for i, (earlier, _) in enumerate(kept) if _resolved(earlier)), default=0)
-            self._kept = [*kept[last:], (outcome, self._snapshot(_resolved(outcome), reduce))]
+            # over every weight at every step would cost more than the step's flags). A spike the guard skipped is
+            # kept too: which skips were overflows is asked when the names are.
+            kept = [(earlier, names) for earlier, names in self._kept if not earlier.resolved or earlier.overflowed]
+            last = max((i for i, (earlier, _) in enumerate(kept) if earlier.resolved), default=0)
+            self._kept = [*kept[last:], (outcome, self._snapshot(outcome.resolved, reduce))]
         self.end_step()
         if self._all_gather and self._guards:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
