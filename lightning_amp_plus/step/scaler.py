@@ -72,13 +72,16 @@ class DynamicLossScaler:
         init_scale: the initial scale.
         growth_factor: multiplies the scale after ``growth_interval`` clean steps in a row (>= 1).
         backoff_factor: multiplies the scale on an overflow once the hysteresis is used up (in ``(0, 1]``).
-        growth_interval: clean steps in a row before the scale grows.
+        growth_interval: clean steps in a row before the scale grows (up to ``2**31 - 1``: the trackers are int32, as
+            GradScaler's).
         enabled: ``False`` makes every method GradScaler's pass-through: ``scale`` returns its input, ``step`` calls
             ``optimizer.step()``, ``get_scale`` is 1.0, ``state_dict`` is ``{}`` (nanoGPT's
             ``GradScaler(enabled=(dtype == "float16"))``).
-        hysteresis: overflows tolerated before a backoff; refilled whenever the scale grows (as in Megatron-LM).
+        hysteresis: overflows tolerated before a backoff; refilled whenever the scale grows (as in Megatron-LM); up to
+            ``2**31 - 1``.
         min_scale: the floor, a normal positive float32 (default 1.0, as DeepSpeed and Megatron-LM).
-        max_scale: the ceiling (default 2**24, as apex).
+        max_scale: the ceiling (default 2**24, as apex). As GradScaler, a growth whose float32 product would be inf is
+            not taken: a ceiling within ``growth_factor`` of float32's largest value may not be reached.
         max_consecutive_skips: skipped steps in a row that backing off could not help after which :meth:`step`
             raises; ``None`` never.
 

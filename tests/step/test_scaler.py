@@ -332,7 +332,9 @@ def test_update_with_a_new_scale_sets_it_within_the_bounds() -> None:
         ({"backoff_factor": 0.0}, "backoff_factor"),
         ({"growth_interval": 0}, "growth_interval"),
         ({"growth_interval": 2.5}, "growth_interval"),
+        ({"growth_interval": 2**31}, "growth_interval"),  # past the int32 trackers (GradScaler's type)
         ({"hysteresis": 0}, "hysteresis"),
+        ({"hysteresis": 2**31}, "hysteresis"),
         ({"min_scale": 0.0}, "min_scale"),
         ({"min_scale": 1e-45}, "min_scale"),
         ({"max_scale": float("inf")}, "max_scale"),
@@ -496,3 +498,25 @@ def test_fp16_gradients_of_a_pure_fp16_model_are_unscaled_and_checked_where_grad
     scaler.update()
     (model(x).float().pow(2).mean() * float("inf")).backward()
     assert scaler.step(opt) is None and scaler.skipped_steps == 1
+
+
+def test_a_shorter_growth_interval_grows_at_the_next_clean_step_where_grad_scaler_never_grows_again() -> None:
+    # GradScaler's kernel grows when its tracker equals the interval: a tracker already past a shortened interval
+    # counts on past it. Ours brings the tracker within the new interval (a deliberate difference, docs/migrating.md).
+    def clean_updates(scaler: Any, count: int) -> None:
+        param = nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([param], lr=0.0)
+        for _ in range(count):
+            param.grad = torch.ones(1)
+            scaler.scale(torch.ones(()))
+            scaler.step(optimizer)
+            scaler.update()
+
+    ours = DynamicLossScaler(init_scale=8.0, growth_interval=10)
+    torchs = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=10)
+    for scaler in (ours, torchs):
+        clean_updates(scaler, 6)
+        scaler.set_growth_interval(3)
+        clean_updates(scaler, 5)
+    assert ours.get_scale() == 32.0  # grew at the next clean step (16), then after 3 more (32)
+    assert torchs.get_scale() == 8.0
