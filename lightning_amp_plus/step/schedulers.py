@@ -177,6 +177,7 @@ def hold(scheduler: Any, ledger: StepLedger) -> None:
     cls = getattr(type(scheduler), "_amp_plus_held_from", type(scheduler))
     _LEDGER_OF[scheduler] = ledger
     ledger.watch(scheduler)
+    # A class swap, so that state_dict() and isinstance stay the scheduler's own (tests/step/test_schedulers.py).
     scheduler.__class__ = _held_class(cls)
 
 

@@ -229,6 +229,8 @@ def _adopt(model: nn.Module, name: str, original: nn.Module) -> tuple[str, ...]:
     for key, parameter in built._parameters.items():
         if parameter is not original._parameters.get(key):
             original._parameters[key] = parameter
+    # The user's module object stays, with its hooks, buffers and attributes, which torchao's swap for a new object
+    # drops: tests/weights/test_fp8.py (test_hooks_buffers_attributes_and_mode_of_a_linear_are_carried_over).
     original.__class__ = type(built)
     setattr(parent, child, original)
     return added
