@@ -12,7 +12,8 @@ One pool of worker processes (:mod:`launch`) runs every scenario; each rank trai
   ``convert_to_float8_training`` sharded the same way under Lightning's (Fabric's) built-in ``bf16-mixed``, bit for
   bit, for tensorwise, and for FP8 all-gather (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``), where the
   plugin calls torchao's ``precompute_float8_dynamic_scale_for_fsdp`` after each optimizer step itself (counted) as
-  the reference loop does.
+  the reference loop does; a NaN in one rank's batch: the step is skipped on both ranks (each rank's shards untouched),
+  both name the FP8 layer where it started from their own shards' flags, and the shards stay finite.
 """
 
 from __future__ import annotations
@@ -308,6 +309,41 @@ def fabric_fsdp2(all_gather: bool) -> dict[str, Any]:
     }
 
 
+def trainer_fsdp2_nan() -> dict[str, Any]:
+    plugin = MixedPrecisionPlugin("fp8-mixed")
+    module = ShardedGPT(all_gather=False, reference=False)
+    module.faulty = {NAN_STEP}  # a NaN at the layer's input on FAULT_RANK's batch only
+    trainer(model_parallel(), plugins=[plugin]).fit(module, rank_loader(STEPS))
+    return {**fp8_record(plugin), "params": pieces(module)}
+
+
+def fabric_fsdp2_nan() -> dict[str, Any]:
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+
+    plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed")
+    shard = lambda model, mesh: shard_gpt(model, mesh["data_parallel"])  # noqa: E731
+    strategy = FabricModelParallel(shard, data_parallel_size=WORLD, tensor_parallel_size=1)
+    fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    model = gpt()
+    faults = Faults(model.get_submodule(LAYER))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    around: list[dict[str, Tensor]] = []
+    for step in range(STEPS):
+        faults.on = step == NAN_STEP and fabric.global_rank == FAULT_RANK
+        fabric.backward(lm_loss(model, rank_tokens(step, fabric.global_rank)))
+        around += [pieces(model)] if step == NAN_STEP else []
+        optimizer.step()
+        around += [pieces(model)] if step == NAN_STEP else []
+        optimizer.zero_grad()
+    return {**fp8_record(plugin), "params": pieces(model), "around the nan": around}
+
+
+def fsdp2_nan(out: Path) -> dict[str, Any]:
+    return {"trainer": trainer_fsdp2_nan(), "fabric": fabric_fsdp2_nan()}
+
+
 class ShardedUnconverted(RankGPT):
     """Shards in ``configure_model`` without converting first."""
 
@@ -433,7 +469,7 @@ def fsdp2_fallback(out: Path) -> dict[str, Any]:
     }
 
 
-SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2 fallback": fsdp2_fallback}
+SCENARIOS = {"ddp": ddp, "fsdp2": fsdp2, "fsdp2 fallback": fsdp2_fallback, "fsdp2 nan": fsdp2_nan}
 
 
 @pytest.fixture(scope="module")
@@ -486,6 +522,21 @@ def test_a_nan_in_one_ranks_batch_skips_the_step_on_both_ranks_and_both_name_the
     assert zero["fallen_back"] == one["fallen_back"] == []
     assert_equal_pieces(zero["params"], one["params"], "the two replicas")
     assert all(torch.isfinite(p).all() for p in zero["params"].values())
+
+
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_a_nan_in_one_ranks_batch_skips_the_step_on_both_ranks_and_both_name_the_layer_under_fsdp2(
+    ranks: list[dict[str, Any]], front_end: str
+) -> None:
+    zero, one = (runs[front_end] for runs in scenario(ranks, "fsdp2 nan"))
+    skipped = [step == NAN_STEP for step in range(STEPS)]
+    assert zero["skipped"] == one["skipped"] == skipped
+    assert zero["nonfinite"] == one["nonfinite"] and zero["nonfinite"][0] == FRONT_ENDS[front_end]
+    for rank in (zero, one):  # each rank's shards: finite, and (Fabric) untouched by the skipped step
+        assert all(torch.isfinite(p).all() for p in rank["params"].values())
+        if front_end == "fabric":
+            before, after = rank["around the nan"]
+            assert_equal_pieces(before, after, "the shards across the skipped step")
 
 
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
