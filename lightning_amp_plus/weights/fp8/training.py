@@ -606,14 +606,15 @@ class FP8Training:
 
         1. If the readings are armed (a check step, or :meth:`start_check` called by someone), they are read and the
            fallback rule applied (:meth:`finish_check`); the result is returned and kept in :attr:`checks`.
-        2. If the step was skipped for non-finite gradients (``outcome.overflowed``), its flags are kept for
-           :meth:`nonfinite_layers`: read from the device only when asked. Where the skip is still on the device (a
-           fused optimizer's pending step: ``outcome.resolved`` is false), the flags are kept without reading it.
+        2. If the step was skipped (``outcome.skipped``), its flags are kept for :meth:`nonfinite_layers`, which reads
+           them from the device only when asked, for the steps skipped for non-finite gradients
+           (``outcome.overflowed``). Where the skip is still on the device (a fused optimizer's pending step:
+           ``outcome.resolved`` is false), the flags are kept without reading it.
         3. The flags are cleared; with the weights all-gathered in FP8 under FSDP2, their scales are computed for the
            next all-gather (torchao's ``precompute_float8_dynamic_scale_for_fsdp``: one all-reduce).
 
         Args:
-            outcome: what became of the step (``.overflowed``, and ``.resolved`` if pending); ``None`` for a step
+            outcome: what became of the step (``.resolved``, ``.skipped``, ``.overflowed``); ``None`` for a step
                 known to be applied.
             reduce: applied on the device to the readings' counts and to the kept flags (a SUM all-reduce across
                 data-parallel ranks: every rank falls back the same layers and names the layers any rank's casts
