@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -104,7 +105,8 @@ class LossScale:
     (one read). The policy's constants are :attr:`policy`, replaced whole by :meth:`reconfigure`.
 
     State: :attr:`policy`, :attr:`scale` (0-d float32), :attr:`growth` and :attr:`hysteresis` (0-d int32), and
-    :attr:`wide`, the dtype exact reads use on their device (:func:`wide_dtype`), set when they are placed.
+    :attr:`wide`, the dtype the step's exact reads of the scale with its flag use on their device (:func:`wide_dtype`),
+    set when they are placed.
 
     Examples:
         >>> scale = LossScale(ScalePolicy(2.0, 0.5, 1, 1, min_scale=1.0, max_scale=2.0**24), 8.0)
@@ -164,10 +166,14 @@ class LossScale:
             self.hysteresis.masked_fill_(~overflow & (growth == 0), policy.hysteresis)  # a growth refills it
 
     def read(self) -> tuple[float, int, int]:
-        """``(scale, growth tracker, hysteresis tracker)`` on the host (one read)."""
-        values = torch.stack([self.scale.to(self.wide), self.growth.to(self.wide), self.hysteresis.to(self.wide)])
-        scale, growth, hysteresis = values.tolist()
-        return scale, int(growth), int(hysteresis)
+        """``(scale, growth tracker, hysteresis tracker)`` on the host (one read), each exact on every device.
+
+        Read as int32: the trackers as they are and the float32 scale by its bits. Through the wide dtype, a tracker
+        past ``2**24`` would round on MPS, whose wide dtype is float32 (``tests/step/test_policy.py``).
+        """
+        bits = self.scale.reshape(1).view(torch.int32)
+        scale_bits, growth, hysteresis = torch.cat([bits, self.growth.reshape(1), self.hysteresis.reshape(1)]).tolist()
+        return struct.unpack("<f", struct.pack("<i", scale_bits))[0], growth, hysteresis
 
     def value(self) -> float:
         """The scale now, as a Python float (a host read)."""

@@ -143,6 +143,18 @@ def test_a_shorter_growth_interval_set_on_the_way_grows_at_the_next_clean_step()
     assert scale.read() == (16.0, 0, 1)
 
 
+@pytest.mark.parametrize("wide", [torch.float64, torch.float32], ids=["float64", "float32 (MPS's)"])
+def test_a_read_is_exact_whatever_the_devices_wide_dtype(wide: torch.dtype) -> None:
+    # On MPS the wide dtype is float32, exact for integers only up to 2**24: the trackers must not go through it.
+    scale = LossScale(policy(growth_interval=2**31 - 1, hysteresis=2**31 - 1), 1.0)
+    scale.wide = wide
+    odd = torch.tensor(1 / 3, dtype=torch.float32).item()
+    scale.set(odd, growth_tracker=2**31 - 2, hysteresis_tracker=2**24 + 1)
+    assert scale.read() == (odd, 2**31 - 2, 2**24 + 1)
+    scale.set(torch.finfo(torch.float32).max)
+    assert scale.value() == torch.finfo(torch.float32).max
+
+
 def test_moving_the_scale_reads_nothing_on_the_host() -> None:
     # The fused path's flag stays on the device: the update must not wait for it.
     scale, calls = LossScale(policy(hysteresis=2), 8.0), []
