@@ -39,9 +39,8 @@ How
     has its own copy of the parameters and optimizer state, and the sides take turns on every copy (where a copy lies
     in memory made the side using it up to 4% slower or faster here). A second GradScaler side, timed like the others,
     is the control: its ratio to the first is how far two identical sides differ on this machine, the resolution of
-    every ratio. Reported: median and
-    mean ms per step, ratios ours/torch of medians and of means, the syncs per step, and a Markdown table. Nothing is
-    asserted.
+    every ratio. Reported: median and mean ms per step, ratios ours/torch of medians and of means, the syncs per
+    step, and a Markdown table. Nothing is asserted.
 
     Targets (reported): no clipping, ours <= 1.0x torch per step with 0 host syncs per step caused by the scaler; with
     clipping ours <= 1.0x torch (both make the same passes; ours reads the flag and the coefficient once on the host).
