@@ -121,15 +121,19 @@ class UnscalesBeforeFusedSteps(MixedPrecision):
 class FabricRun:
     """One run of a :class:`Loop` under ``plugin`` on one CPU device; :meth:`step` runs one optimizer step.
 
+    ``fabric`` is the Fabric class (``lightning.Fabric``, or ``lightning_fabric.Fabric``: the standalone package).
+
     Attributes:
         params: the parameters after each optimizer step (copies), in ``model.parameters()`` order.
         clip_norms: what ``fabric.clip_gradients`` returned at each step (``None`` without clipping by norm).
         losses: each step's last micro-batch loss (before any fault).
     """
 
-    def __init__(self, plugin: Precision, loop: Loop, *, seed: int = 0, **fabric_kwargs: Any) -> None:
+    def __init__(
+        self, plugin: Precision, loop: Loop, *, seed: int = 0, fabric: Any = L.Fabric, **fabric_kwargs: Any
+    ) -> None:
         self.plugin, self.loop = plugin, loop
-        self.fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], **fabric_kwargs)
+        self.fabric = fabric(accelerator="cpu", devices=1, plugins=[plugin], **fabric_kwargs)
         torch.manual_seed(seed)
         self.module = make_model()
         model, optimizer = self.fabric.setup(self.module, make_optimizer(loop.optimizer, self.module.parameters()))

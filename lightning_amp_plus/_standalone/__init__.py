@@ -10,7 +10,8 @@ classes. So the modules of ``plugins/``, ``monitor/``, ``models/`` and ``data/``
 at the package's own files.
 
 Importing this package installs the finder that loads those modules, so a process that unpickles one of their objects
-(``ddp_spawn``'s workers) finds them too. Users import :mod:`lightning_amp_plus.pytorch_lightning`.
+(``ddp_spawn``'s workers) finds them too. Users import :mod:`lightning_amp_plus.pytorch_lightning` (the Trainer's
+names) and :mod:`lightning_amp_plus.lightning_fabric` (Fabric's).
 """
 
 from __future__ import annotations

@@ -133,9 +133,7 @@ class FabricFSDPMixedPrecisionPlugin(_Sharded, FabricMixedPrecisionPlugin, Fabri
     """
 
     _framework = "Fabric"
-
-    def __repr__(self) -> str:
-        return f"lightning_amp_plus.fabric.FSDPMixedPrecisionPlugin({self.precision!r})"
+    _public_name = "FSDPMixedPrecisionPlugin"
 
 
 class FSDPMixedPrecisionPlugin(_Sharded, MixedPrecisionPlugin, TrainerFSDPPrecision):  # type: ignore[misc]

@@ -57,6 +57,35 @@ __all__ = ["FabricMixedPrecisionPlugin", "MixedPrecisionPlugin", "skipped_steps"
 _FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
 
 
+# This module is loaded twice (lightning_amp_plus._standalone): over `lightning`, and over Lightning's standalone
+# packages (`lightning_fabric`, `pytorch_lightning`), where `pl` is `pytorch_lightning`. (The standalone load renames
+# `lightning.pytorch` and `lightning.fabric` in strings too: the test is written with the name it leaves alone.)
+_STANDALONE = pl.__name__ == "pytorch_lightning"
+
+
+def _home(front: str, *, other: bool = False) -> str:
+    """The public module of this load's plugins for ``front`` (``"fabric"`` or ``"trainer"``), or of the other load's.
+
+    Each Fabric and each Trainer takes only plugins built on its own package's classes, and refuses the others with
+    "Found invalid type for plugin {plugin}": the plugins' ``str`` says where to import the right one from.
+
+    Examples:
+        >>> _home("fabric"), _home("fabric", other=True), _home("trainer", other=True)
+        ('lightning_amp_plus.fabric', 'lightning_amp_plus.lightning_fabric', 'lightning_amp_plus.pytorch_lightning')
+    """
+    standalone = other != _STANDALONE
+    if front == "fabric":
+        return "lightning_amp_plus.lightning_fabric" if standalone else "lightning_amp_plus.fabric"
+    return "lightning_amp_plus.pytorch_lightning" if standalone else "lightning_amp_plus"
+
+
+def _package(front: str, *, other: bool = False) -> str:
+    """The package a user installs for ``front`` whose classes this load's plugins are built on (or the other's)."""
+    if other == _STANDALONE:
+        return "lightning"
+    return "lightning_fabric" if front == "fabric" else "pytorch_lightning"
+
+
 class FabricMixedPrecisionPlugin(FabricPrecision):
     """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
 
@@ -108,6 +137,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
     """
 
     _autocast_cache = True  # as Fabric's own MixedPrecision (the Trainer's turns it off)
+    _public_name = "MixedPrecisionPlugin"  # its name in lightning_amp_plus.fabric (and .lightning_fabric)
 
     def __init__(
         self,
@@ -143,11 +173,16 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         }
 
     def __repr__(self) -> str:
-        return f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r})"
+        return f"{_home('fabric')}.{self._public_name}({self.precision!r})"
 
     def __str__(self) -> str:
-        # What Lightning's Trainer prints when this plugin is given to it ("Found invalid type for plugin {plugin}").
-        return f"{self!r}, a Lightning Fabric plugin (for the Trainer, use lightning_amp_plus.MixedPrecisionPlugin)"
+        # What a Trainer, or the other package's Fabric, prints when it refuses this plugin ("Found invalid type for
+        # plugin {plugin}"): where the plugin it takes is imported from.
+        fabric, other = FabricPrecision.__module__.split(".plugins")[0], _package("fabric", other=True)
+        return (
+            f"{self!r}, a plugin for `{fabric}`'s Fabric (with the `{other}` package, import it from "
+            f"{_home('fabric', other=True)}; for the Trainer, use {_home('trainer')}.{self._public_name})"
+        )
 
     # ------------------------------------------------------------------------------------------------ readings
     @property
@@ -525,21 +560,19 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
     def __str__(self) -> str:
         # Each of Lightning's two Trainer packages (`lightning.pytorch`, `pytorch_lightning`: classes of their own)
         # refuses the other's plugin with "Found invalid type for plugin {plugin}": the str says what to import there.
-        # This module is also loaded over `pytorch_lightning` (lightning_amp_plus._standalone), where `pl` is that one.
-        ours, other, home = pl.__name__, "pytorch_lightning", "lightning_amp_plus.pytorch_lightning"
-        if ours == "pytorch_lightning":
-            other, home = "lightning", "lightning_amp_plus"
-        return f"{self!r} (for `{ours}`; with the `{other}` package, import it from {home})"
+        other, home = _package("trainer", other=True), _home("trainer", other=True)
+        return f"{self!r} (for `{pl.__name__}`; with the `{other}` package, import it from {home})"
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if getattr(unwrapped(module), "_trainer", None) is None:
             # Only Lightning Fabric converts a module that no Trainer holds (at `fabric.setup`, before any forward).
+            home = _home("fabric")
             raise TypeError(
                 f"{type(self).__name__} is the Trainer's plugin; with Lightning Fabric use "
-                f"lightning_amp_plus.fabric.MixedPrecisionPlugin({self.precision!r}) instead "
-                "(`L.Fabric(plugins=[lightning_amp_plus.fabric.MixedPrecisionPlugin(...)])`)."
+                f"{home}.MixedPrecisionPlugin({self.precision!r}) instead "
+                f"(`Fabric(plugins=[{home}.MixedPrecisionPlugin(...)])`)."
             )
         return FabricMixedPrecisionPlugin.convert_module(self, module)  # (the FSDP plugin's next base is FSDP's)
 

@@ -15,7 +15,9 @@ DDP its copy of the averaged gradient, under FSDP its shard. The tests compare w
 * a run resumed from ``fabric.save``/``fabric.load`` (FSDP's sharded checkpoint) equals the uninterrupted one;
 * ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in its ``parallelize_fn``) with ``MixedPrecisionPlugin`` equals
   DDP too; with ``fully_shard(..., mp_policy=plugin.mp_policy)`` (FP32 shards, half compute) it skips and measures as
-  the others.
+  the others;
+* DDP under ``lightning_fabric.Fabric`` (Lightning's standalone package) with
+  ``lightning_amp_plus.lightning_fabric.MixedPrecisionPlugin`` equals DDP under ``lightning.Fabric`` bit for bit.
 """
 
 from __future__ import annotations
@@ -51,10 +53,18 @@ FSDP_MASTER = "fsdp-master"
 FSDP2_MASTER = "model_parallel-master"
 
 
+# DDP under Lightning's standalone Fabric package, with the plugin built over it.
+STANDALONE_DDP = "ddp-lightning_fabric"
+
+
 def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
     scaler = (
         DynamicLossScaler(init_scale=START_SCALE, growth_interval=GROWTH_INTERVAL) if precision == "16-mixed" else None
     )
+    if strategy == STANDALONE_DDP:
+        from lightning_amp_plus import lightning_fabric as standalone
+
+        return standalone.MixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[no-any-return]
     if strategy in ("fsdp", FSDP_MASTER):
         return FSDPMixedPrecisionPlugin(precision, "cpu", scaler, master_weights=strategy == FSDP_MASTER)  # type: ignore[arg-type]
     return MixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[arg-type]
@@ -119,9 +129,13 @@ def train(
 ) -> dict[str, Any]:
     """The loop of the module docstring on this rank; what it records at each step and the parameters at the end."""
     plugin = plugin_for(strategy, precision)
-    fabric = L.Fabric(
-        accelerator="cpu", devices=WORLD, strategy=strategy_for(strategy, plugin, **strategy_options), plugins=[plugin]
-    )
+    if strategy == STANDALONE_DDP:
+        import lightning_fabric
+
+        fabric = lightning_fabric.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin])
+    else:
+        chosen = strategy_for(strategy, plugin, **strategy_options)
+        fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
     fabric.launch()
     torch.manual_seed(seed)
     plugin.engine.read_norms()  # as a MixedPrecisionMonitor does: each step's norm is measured (for the records)
@@ -166,6 +180,7 @@ def train(
         "skipped_steps": plugin.skipped_steps,
         "state": plugin.state_dict(),
         "plugin": type(plugin).__name__,
+        "built_on": (type(fabric).__module__.split(".")[0], type(plugin).__module__),
         "handed_back": handed_back,
     }
 
@@ -173,7 +188,7 @@ def train(
 # ---------------------------------------------------------------------------------------------- scenarios
 def runs(out: Path) -> dict[str, Any]:
     """Every strategy, both precisions: one fault on one rank at ``FAULT_STEP``."""
-    every = (*STRATEGIES, FSDP_MASTER, FSDP2_MASTER)
+    every = (*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, STANDALONE_DDP)
     return {f"{strategy}/{precision}": train(strategy, precision) for strategy in every for precision in PRECISIONS}
 
 
@@ -205,7 +220,7 @@ def test_the_fsdp_plugin_runs_under_fabrics_fsdp_strategy_and_ours_under_the_oth
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, STANDALONE_DDP])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
@@ -247,6 +262,20 @@ def test_sharded_runs_equal_ddp(ranks: list[dict[str, Any]], strategy: str, prec
     for p, q in zip(record[f"{strategy}/{precision}"]["params"], record[f"ddp/{precision}"]["params"], strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     assert record[f"{strategy}/{precision}"]["state"] == record[f"ddp/{precision}"]["state"]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_ddp_under_lightning_fabric_equals_ddp_under_lightning_bit_for_bit(
+    ranks: list[dict[str, Any]], precision: str
+) -> None:
+    for record in scenario(ranks, "runs"):
+        mine, lightnings = record[f"{STANDALONE_DDP}/{precision}"], record[f"ddp/{precision}"]
+        assert mine["built_on"] == ("lightning_fabric", "lightning_amp_plus._standalone.plugins.precision")
+        assert lightnings["built_on"] == ("lightning", "lightning_amp_plus.plugins.precision")
+        for p, q in zip(mine["params"], lightnings["params"], strict=True):
+            assert torch.equal(p, q)
+        assert mine["state"] == lightnings["state"]
+        assert repr(mine["records"]) == repr(lightnings["records"])  # the fault step's norm is NaN, equal to nothing
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -84,7 +84,9 @@ def test_the_step_core_imports_neither_the_diagnostics_nor_the_monitor(module: s
 @pytest.mark.parametrize("module", NUMERICS)
 def test_numerics_modules_import_no_lightning(module: str) -> None:
     offending = {
-        name for name in imported_modules(PACKAGE / module) if name.split(".")[0] in ("lightning", "pytorch_lightning")
+        name
+        for name in imported_modules(PACKAGE / module)
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric")
     }
     assert not offending, f"{module} imports {offending}"
 
@@ -139,7 +141,7 @@ def test_the_scaler_works_in_a_process_where_lightning_cannot_be_imported(tmp_pa
 import importlib.abc, sys, types
 class Refuse(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split('.')[0] in ('lightning', 'pytorch_lightning'):
+        if name.split('.')[0] in ('lightning', 'pytorch_lightning', 'lightning_fabric'):
             raise ImportError('lightning refused: ' + name)
 sys.meta_path.insert(0, Refuse())
 # Load the numerics without running the package __init__ (which exposes the Lightning plugin).
