@@ -99,6 +99,9 @@ def test_the_classes_are_the_same_source_over_lightning_fabrics_bases() -> None:
     # The numerics import no Lightning: the scaler and the engine are one class whichever namespace drives them.
     assert type(plugin.scaler) is DynamicLossScaler and type(plugin.engine) is type(ours().engine)
     assert standalone.__all__ == amp_fabric.__all__ == ["FSDPMixedPrecisionPlugin", "MixedPrecisionPlugin"]
+    assert dir(standalone) == standalone.__all__
+    with pytest.raises(AttributeError, match="has no attribute 'MixedPrecisionMonitor'"):
+        standalone.MixedPrecisionMonitor  # noqa: B018  # the monitor is one for both Fabrics: lightning_amp_plus's
 
 
 # --------------------------------------------------------------------------------------- the same training
