@@ -11,6 +11,7 @@ through the same loop (:mod:`fabric_loops`), bit for bit.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,34 @@ def test_bf16_under_lightning_fabric_skips_a_nan_step_that_lightning_fabrics_own
         assert torch.equal(before, after)  # the NaN step left the parameters as they were
     assert all(torch.isfinite(p).all() for p in mine.params[-1])
     assert not all(torch.isfinite(p).all() for p in theirs.params[-1])  # premise: unchecked, the NaN is applied
+
+
+@pytest.mark.filterwarnings(r"ignore:.*'fp8-mixed'\) on CPU:UserWarning")
+def test_fp8_under_lightning_fabric_equals_lightning_bit_for_bit_and_names_the_layers_of_a_nan_step() -> None:
+    pytest.importorskip("torchao.float8", reason="fp8-mixed needs torchao (the fp8 extra)")
+
+    def run(fabric_type: Any, plugin: Any) -> tuple[list[torch.Tensor], Any]:
+        fabric = fabric_type(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+        for step in range(4):
+            loss = model(torch.randn(16, 32)).float().square().mean()
+            fabric.backward(loss * (math.nan if step == 2 else 1.0))
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in net.parameters()], plugin
+
+    mine, plugin = run(
+        lightning_fabric.Fabric, standalone.MixedPrecisionPlugin("fp8-mixed", "cpu", fp8_check_interval=2)
+    )
+    theirs, reference = run(L.Fabric, amp_fabric.MixedPrecisionPlugin("fp8-mixed", "cpu", fp8_check_interval=2))
+    for p, q in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    assert plugin.skipped_steps == reference.skipped_steps == 1
+    assert list(plugin.fp8.layers) == list(reference.fp8.layers) == ["0", "2"]
+    assert plugin.fp8.nonfinite_layers() == reference.fp8.nonfinite_layers() != []
+    assert [check.step for check in plugin.fp8.checks] == [check.step for check in reference.fp8.checks] == [0, 2]
 
 
 def test_a_checkpoint_saved_under_lightning_resumes_under_lightning_fabric_as_the_run_would_have_gone_on(
