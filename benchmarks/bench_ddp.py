@@ -12,6 +12,15 @@ What is measured
         Lightning run. Under DDP the model stays FP32 and the plugin registers DDP's half-precision compression hook,
         so the gradients travel in the half dtype: this ratio says what that costs or saves on this CPU.
 
+    * The check's collective alone: the one-element MAX all-reduce each rank makes per step so that all take the same
+      skip decision (``lightning_amp_plus.step.sharding.max_across_ranks``), timed over ``--collective-calls`` calls
+      per round in the same two processes after the fits, beside a bare one-element ``all_reduce``; reported per call
+      and as a share of the step-time difference ours - Lightning's. With ``--without-collective``, a fourth
+      configuration runs ours with the check's collective left out (each rank decides from its own gradients: not a
+      configuration the package offers, since a fault on one rank would then skip that rank alone), so that the step
+      time says what the collective costs inside a step, where it is a second point at which the ranks wait for each
+      other.
+
     * Bytes all-reduced per optimizer step: a DDP communication hook adds up the bytes of every gradient bucket (then
       all-reduces it as DDP does by default), in a separate short run per configuration: the hook is not installed
       in the timed runs, where a Python hook would add its own cost to every bucket. Lightning only registers
@@ -38,6 +47,7 @@ Run
     python benchmarks/bench_ddp.py            # about 2-3 minutes on 2 CPU cores (capped by --budget-s)
     python benchmarks/bench_ddp.py --quick    # about a minute: a smoke test
     python benchmarks/bench_ddp.py --fp16     # also 16-mixed (slow on CPU)
+    python benchmarks/bench_ddp.py --without-collective   # also ours without the check's collective (measurement)
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_amp_plus import MixedPrecisionPlugin
+from lightning_amp_plus.step.sharding import max_across_ranks
 
 _WORLD = 2
 _BATCH = 32
@@ -80,8 +91,22 @@ class Config(Side):
     bucket_dtypes: set[str] = field(default_factory=set)
 
 
-def _configs(precision: str) -> list[Config]:
-    """Lightning's, ours, ours with master weights, at ``precision``."""
+class OursWithoutCollective(MixedPrecisionPlugin):
+    """Ours with the ranks never set: each rank decides from its own gradients (for measurement only)."""
+
+    def _learn_ranks(self, params: list[Tensor], names: list[tuple[str, Tensor]], wrapper: object = None) -> None:
+        self._ranks_known = True
+        self.engine.name_parameters(names)
+
+
+def _configs(precision: str, without_collective: bool = False) -> list[Config]:
+    """Lightning's, ours, ours with master weights, at ``precision`` (and ours without the check's collective)."""
+    extra = [
+        Config(
+            f"ours {precision} without the check's collective",
+            plugin=lambda: OursWithoutCollective(precision, device="cpu"),  # type: ignore[arg-type]
+        )
+    ]
     return [
         Config(f"Lightning {precision}", plugin=lambda: MixedPrecision(precision, "cpu")),  # type: ignore[arg-type]
         Config(f"ours {precision}", plugin=lambda: MixedPrecisionPlugin(precision, device="cpu")),  # type: ignore[arg-type]
@@ -89,6 +114,7 @@ def _configs(precision: str) -> list[Config]:
             f"ours {precision} + master weights",
             plugin=lambda: MixedPrecisionPlugin(precision, device="cpu", master_weights=True),  # type: ignore[arg-type]
         ),
+        *(extra if without_collective else []),
     ]
 
 
@@ -186,21 +212,39 @@ def _rounds(table: dict[str, list[Config]], args: argparse.Namespace, steps: dic
     return time.perf_counter() - started
 
 
-def _report(table: dict[str, list[Config]], spent: float) -> None:
+def _collective(calls: int, rounds: int = 20) -> dict[str, float]:
+    """Median µs per call of the check's collective (``max_across_ranks``) and of a bare one-element all-reduce."""
+    flag = torch.zeros(1)
+    ways: dict[str, Callable[[], object]] = {
+        "the check's collective (max_across_ranks)": lambda: max_across_ranks(flag, dist.group.WORLD),
+        "a bare one-element all_reduce(MAX)": lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX),
+    }
+    per_call: dict[str, list[float]] = {name: [] for name in ways}
+    for r in range(rounds):
+        for name, way in ways.items() if r % 2 == 0 else reversed(ways.items()):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(calls):
+                way()
+            per_call[name].append((time.perf_counter() - started) / calls * 1e6)
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
+def _report(table: dict[str, list[Config]], spent: float, collective: dict[str, float]) -> None:
     print()
     print("## DDP on CPU, 2 processes (gloo): ours against Lightning's MixedPrecision")
     print()
     print("| comparison | A | B | A/B | per-round A/B: median [min, max] | steps timed each | target |")
     print("|---|---:|---:|---:|---|---:|---|")
-    for precision, (lightning, ours, ours_mw) in table.items():
-        for mine in (ours, ours_mw):
+    for precision, (lightning, *mine_all) in table.items():
+        for mine in mine_all:
             ratio = Ratio.of(mine, lightning)
             print(
                 f"| step time, {precision}: {mine.label} (A) / {lightning.label} (B) | {ratio.a_ms:.2f} ms "
                 f"| {ratio.b_ms:.2f} ms | {ratio.of_medians:.3f}x | {ratio.per_round()} | {len(mine.times)} "
                 f"| {verdict(ratio.of_medians, _TIME_TARGET)} |"
             )
-    for precision, (lightning, ours, ours_mw) in table.items():
+    for precision, (lightning, ours, ours_mw, *_) in table.items():
         bytes_ratio = ours_mw.bytes_per_step / ours.bytes_per_step
         met = "met" if bytes_ratio <= _BYTES_TARGET else "NOT met"
         print(
@@ -214,6 +258,11 @@ def _report(table: dict[str, list[Config]], spent: float) -> None:
             f"| {ours.bytes_per_step:,.0f} B | {lightning.bytes_per_step:,.0f} B "
             f"| {ours.bytes_per_step / lightning.bytes_per_step:.3f}x | - | {_BYTES_STEPS} | n/a (same FP32 model) |"
         )
+    print()
+    lightning, ours, *_ = table["bf16-mixed"]
+    gap_us = (statistics.median(ours.times) - statistics.median(lightning.times)) * 1e6
+    for name, us in collective.items():
+        print(f"{name}: {us:.0f} µs per call ({us / gap_us:.0%} of ours - Lightning's bf16 step time, {gap_us:.0f} µs)")
     print()
     print(f"total {spent:.0f} s of timed rounds, load average after: {load():.2f}")
 
@@ -233,13 +282,14 @@ def _worker(rank: int, port: int, args: argparse.Namespace) -> None:
     try:
         precisions = ["bf16-mixed", "16-mixed"] if args.fp16 else ["bf16-mixed"]
         steps = {"bf16-mixed": args.steps, "16-mixed": args.steps_fp16}
-        table = {precision: _configs(precision) for precision in precisions}
+        table = {precision: _configs(precision, args.without_collective) for precision in precisions}
         for configs in table.values():
             for config in configs:
                 _count_bytes(config, args.seed)
         spent = _rounds(table, args, steps)
+        collective = _collective(args.collective_calls)
         if rank == 0:
-            _report(table, spent)
+            _report(table, spent, collective)
     finally:
         dist.destroy_process_group()
 
@@ -263,6 +313,12 @@ def main() -> None:
     parser.add_argument("--steps-fp16", type=int, default=None, help="timed fp16 steps per run (default 6, quick 3)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per process (default 1)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--without-collective", action="store_true", help="also time ours without the check's collective (measurement)"
+    )
+    parser.add_argument(
+        "--collective-calls", type=int, default=200, help="calls of the check's collective timed per round (20 rounds)"
+    )
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 6)
     args.budget_s = args.budget_s if args.budget_s is not None else (20.0 if args.quick else 90.0)
