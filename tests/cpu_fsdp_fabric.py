@@ -10,42 +10,51 @@ reasons this subclass lifts:
 
 Everything else (flat-parameter sharding with ``use_orig_params=True``, ``FSDPPrecision`` required of the plugin,
 ``no_backward_sync``, FSDP's own ``clip_grad_norm_``, sharded checkpoints) is Fabric's own code, unchanged. Not package
-API: FSDP on CPU is not something Lightning supports.
+API: FSDP on CPU is not something Lightning supports. :func:`cpu_fsdp_strategy` makes the same subclass over the
+standalone ``lightning_fabric`` package's ``FSDPStrategy``.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-from lightning.fabric.strategies import FSDPStrategy
-from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device, _setup_activation_checkpointing
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 
-class CPUFabricFSDPStrategy(FSDPStrategy):
-    """Fabric's ``FSDPStrategy`` that wraps the model for the CPU (``device_id=torch.device("cpu")``).
+def cpu_fsdp_strategy(package: str = "lightning.fabric") -> type:
+    """The CPU twin of ``FSDPStrategy`` of Fabric's ``package`` (``"lightning.fabric"`` or ``"lightning_fabric"``)."""
+    fsdp = importlib.import_module(f"{package}.strategies.fsdp")
 
-    Args:
-        **kwargs: those of Fabric's ``FSDPStrategy`` (``sharding_strategy``, ``state_dict_type``, ...).
-    """
+    class CPUFabricFSDPStrategy(fsdp.FSDPStrategy):  # type: ignore[misc,name-defined]
+        """Fabric's ``FSDPStrategy`` that wraps the model for the CPU (``device_id=torch.device("cpu")``).
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs.setdefault("process_group_backend", "gloo")
-        super().__init__(**kwargs)
+        Args:
+            **kwargs: those of Fabric's ``FSDPStrategy`` (``sharding_strategy``, ``state_dict_type``, ...).
+        """
 
-    def setup_module(self, module: nn.Module) -> nn.Module:
-        if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
-            return super().setup_module(module)
-        # Fabric's own wrapping, with the one argument it gets wrong on CPU; then its own post-wrapping steps.
-        module = FullyShardedDataParallel(
-            module=module,
-            cpu_offload=self.cpu_offload,
-            mixed_precision=self.mixed_precision_config,
-            sharding_strategy=self.sharding_strategy,
-            device_id=self.root_device,
-            **self._fsdp_kwargs,
-        )
-        _move_torchmetrics_to_device(module, self.root_device)
-        _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
-        return module
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("process_group_backend", "gloo")
+            super().__init__(**kwargs)
+
+        def setup_module(self, module: nn.Module) -> nn.Module:
+            if any(isinstance(submodule, FullyShardedDataParallel) for submodule in module.modules()):
+                return super().setup_module(module)  # type: ignore[no-any-return]
+            # Fabric's own wrapping, with the one argument it gets wrong on CPU; then its own post-wrapping steps.
+            module = FullyShardedDataParallel(
+                module=module,
+                cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy,
+                device_id=self.root_device,
+                **self._fsdp_kwargs,
+            )
+            fsdp._move_torchmetrics_to_device(module, self.root_device)
+            fsdp._setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+            return module
+
+    return CPUFabricFSDPStrategy
+
+
+CPUFabricFSDPStrategy = cpu_fsdp_strategy()

@@ -16,8 +16,8 @@ DDP its copy of the averaged gradient, under FSDP its shard. The tests compare w
 * ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in its ``parallelize_fn``) with ``MixedPrecisionPlugin`` equals
   DDP too; with ``fully_shard(..., mp_policy=plugin.mp_policy)`` (FP32 shards, half compute) it skips and measures as
   the others;
-* DDP under ``lightning_fabric.Fabric`` (Lightning's standalone package) with
-  ``lightning_amp_plus.lightning_fabric.MixedPrecisionPlugin`` equals DDP under ``lightning.Fabric`` bit for bit.
+* DDP and FSDP under ``lightning_fabric.Fabric`` (Lightning's standalone package) with the plugins of
+  ``lightning_amp_plus.lightning_fabric`` equal the same strategies under ``lightning.Fabric`` bit for bit.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from cpu_fsdp_fabric import CPUFabricFSDPStrategy
+from cpu_fsdp_fabric import CPUFabricFSDPStrategy, cpu_fsdp_strategy
 from fabric_loops import GROWTH_INTERVAL, START_SCALE, batch, make_model, make_optimizer
 from launch import WORLD, run_pool, scenario
 from lightning.fabric.strategies import ModelParallelStrategy
@@ -53,17 +53,19 @@ FSDP_MASTER = "fsdp-master"
 FSDP2_MASTER = "model_parallel-master"
 
 
-# DDP under Lightning's standalone Fabric package, with the plugin built over it.
-STANDALONE_DDP = "ddp-lightning_fabric"
+# DDP and FSDP under Lightning's standalone Fabric package, with the plugins built over it: each and its strategy.
+STANDALONE = {"ddp-lightning_fabric": "ddp", "fsdp-lightning_fabric": "fsdp"}
 
 
 def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
     scaler = (
         DynamicLossScaler(init_scale=START_SCALE, growth_interval=GROWTH_INTERVAL) if precision == "16-mixed" else None
     )
-    if strategy == STANDALONE_DDP:
+    if strategy in STANDALONE:
         from lightning_amp_plus import lightning_fabric as standalone
 
+        if STANDALONE[strategy] == "fsdp":
+            return standalone.FSDPMixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[no-any-return]
         return standalone.MixedPrecisionPlugin(precision, "cpu", scaler)  # type: ignore[no-any-return]
     if strategy in ("fsdp", FSDP_MASTER):
         return FSDPMixedPrecisionPlugin(precision, "cpu", scaler, master_weights=strategy == FSDP_MASTER)  # type: ignore[arg-type]
@@ -129,10 +131,11 @@ def train(
 ) -> dict[str, Any]:
     """The loop of the module docstring on this rank; what it records at each step and the parameters at the end."""
     plugin = plugin_for(strategy, precision)
-    if strategy == STANDALONE_DDP:
+    if strategy in STANDALONE:
         import lightning_fabric
 
-        fabric = lightning_fabric.Fabric(accelerator="cpu", devices=WORLD, strategy="ddp", plugins=[plugin])
+        chosen: Any = "ddp" if STANDALONE[strategy] == "ddp" else cpu_fsdp_strategy("lightning_fabric")()
+        fabric = lightning_fabric.Fabric(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
     else:
         chosen = strategy_for(strategy, plugin, **strategy_options)
         fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
@@ -188,7 +191,7 @@ def train(
 # ---------------------------------------------------------------------------------------------- scenarios
 def runs(out: Path) -> dict[str, Any]:
     """Every strategy, both precisions: one fault on one rank at ``FAULT_STEP``."""
-    every = (*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, STANDALONE_DDP)
+    every = (*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, *STANDALONE)
     return {f"{strategy}/{precision}": train(strategy, precision) for strategy in every for precision in PRECISIONS}
 
 
@@ -220,7 +223,7 @@ def test_the_fsdp_plugin_runs_under_fabrics_fsdp_strategy_and_ours_under_the_oth
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, STANDALONE_DDP])
+@pytest.mark.parametrize("strategy", [*STRATEGIES, FSDP_MASTER, FSDP2_MASTER, *STANDALONE])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
@@ -265,13 +268,15 @@ def test_sharded_runs_equal_ddp(ranks: list[dict[str, Any]], strategy: str, prec
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-def test_ddp_under_lightning_fabric_equals_ddp_under_lightning_bit_for_bit(
-    ranks: list[dict[str, Any]], precision: str
+@pytest.mark.parametrize("strategy", sorted(STANDALONE))
+def test_under_lightning_fabric_the_strategy_equals_the_same_under_lightning_bit_for_bit(
+    ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
+    module = "precision" if STANDALONE[strategy] == "ddp" else "fsdp"
     for record in scenario(ranks, "runs"):
-        mine, lightnings = record[f"{STANDALONE_DDP}/{precision}"], record[f"ddp/{precision}"]
-        assert mine["built_on"] == ("lightning_fabric", "lightning_amp_plus._standalone.plugins.precision")
-        assert lightnings["built_on"] == ("lightning", "lightning_amp_plus.plugins.precision")
+        mine, lightnings = record[f"{strategy}/{precision}"], record[f"{STANDALONE[strategy]}/{precision}"]
+        assert mine["built_on"] == ("lightning_fabric", f"lightning_amp_plus._standalone.plugins.{module}")
+        assert lightnings["built_on"] == ("lightning", f"lightning_amp_plus.plugins.{module}")
         for p, q in zip(mine["params"], lightnings["params"], strict=True):
             assert torch.equal(p, q)
         assert mine["state"] == lightnings["state"]
