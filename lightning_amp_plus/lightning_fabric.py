@@ -33,14 +33,9 @@ _HOMES = {
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        from importlib import import_module
+    from lightning_amp_plus._standalone import public_name  # here: the finder is installed at the first use
 
-        module, qualname = _HOMES[name]
-        value = getattr(import_module(f"lightning_amp_plus._standalone.{module}"), qualname)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return public_name(__name__, name, _HOMES)
 
 
 def __dir__() -> list[str]:

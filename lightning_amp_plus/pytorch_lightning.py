@@ -50,28 +50,25 @@ __all__ = [
 ]
 
 _HOMES = {
-    "CIFAR10DataModule": "data",
-    "IMDBDataModule": "data",
-    "SyntheticCIFAR10DataModule": "data",
-    "SyntheticIMDBDataModule": "data",
-    "CifarCNN": "models",
-    "ImdbLSTM": "models",
-    "MixedPrecisionMonitor": "monitor.callback",
-    "FSDPMixedPrecisionPlugin": "plugins.fsdp",
-    "MixedPrecisionPlugin": "plugins.precision",
-    "skipped_steps": "plugins.precision",
+    "CIFAR10DataModule": ("data", "CIFAR10DataModule"),
+    "IMDBDataModule": ("data", "IMDBDataModule"),
+    "SyntheticCIFAR10DataModule": ("data", "SyntheticCIFAR10DataModule"),
+    "SyntheticIMDBDataModule": ("data", "SyntheticIMDBDataModule"),
+    "CifarCNN": ("models", "CifarCNN"),
+    "ImdbLSTM": ("models", "ImdbLSTM"),
+    "MixedPrecisionMonitor": ("monitor.callback", "MixedPrecisionMonitor"),
+    "FSDPMixedPrecisionPlugin": ("plugins.fsdp", "FSDPMixedPrecisionPlugin"),
+    "MixedPrecisionPlugin": ("plugins.precision", "MixedPrecisionPlugin"),
+    "skipped_steps": ("plugins.precision", "skipped_steps"),
 }
-"""Each name over ``pytorch_lightning``, and its module (loaded on first use, as the package's own names are)."""
+"""Each name over ``pytorch_lightning``: its module and its name there (loaded on first use, as the package's own
+names are)."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in _HOMES:
-        from importlib import import_module
+    from lightning_amp_plus._standalone import public_name  # here: the finder is installed at the first use
 
-        value = getattr(import_module(f"lightning_amp_plus._standalone.{_HOMES[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return public_name(__name__, name, _HOMES)
 
 
 def __dir__() -> list[str]:

@@ -21,11 +21,12 @@ import importlib.machinery
 import importlib.util
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-__all__ = ["LAYERS", "standalone_source"]
+__all__ = ["LAYERS", "public_name", "standalone_source"]
 
 _PACKAGE = Path(__file__).resolve().parent.parent
 LAYERS = ("plugins", "monitor", "models", "data")
@@ -47,6 +48,23 @@ def standalone_source(source: str) -> str:
     for pattern, replacement in _RENAMES:
         source = pattern.sub(replacement, source)
     return source
+
+
+def public_name(module: str, name: str, homes: Mapping[str, tuple[str, str]]) -> Any:
+    """``name`` of the public module ``module`` (``lightning_amp_plus.pytorch_lightning``, ``.lightning_fabric``).
+
+    Loaded on first use from this package's load of its home (``homes[name]``: the module under ``_standalone`` and the
+    name there), then kept in ``module``, so later lookups do not come here: the modules' ``__getattr__``.
+
+    Raises:
+        AttributeError: ``module`` has no such name.
+    """
+    if name not in homes:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    home, attribute = homes[name]
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), attribute)
+    setattr(sys.modules[module], name, value)
+    return value
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
