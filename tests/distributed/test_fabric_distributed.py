@@ -23,6 +23,7 @@ DDP its copy of the averaged gradient, under FSDP its shard. The tests compare w
 from __future__ import annotations
 
 import functools
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,8 @@ def shard_with_fsdp2(model: nn.Module, device_mesh: Any, mp_policy: Any = None) 
 def strategy_for(strategy: str, plugin: Any, **options: Any) -> Any:
     if strategy in ("fsdp", FSDP_MASTER):
         return CPUFabricFSDPStrategy(**options)
+    if STANDALONE.get(strategy) == "fsdp":
+        return cpu_fsdp_strategy("lightning_fabric")(**options)
     if strategy in ("model_parallel", FSDP2_MASTER):
         policy = plugin.mp_policy if strategy == FSDP2_MASTER else None
         shard = functools.partial(shard_with_fsdp2, mp_policy=policy)
@@ -131,14 +134,9 @@ def train(
 ) -> dict[str, Any]:
     """The loop of the module docstring on this rank; what it records at each step and the parameters at the end."""
     plugin = plugin_for(strategy, precision)
-    if strategy in STANDALONE:
-        import lightning_fabric
-
-        chosen: Any = "ddp" if STANDALONE[strategy] == "ddp" else cpu_fsdp_strategy("lightning_fabric")()
-        fabric = lightning_fabric.Fabric(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
-    else:
-        chosen = strategy_for(strategy, plugin, **strategy_options)
-        fabric = L.Fabric(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
+    fabric_type = importlib.import_module("lightning_fabric").Fabric if strategy in STANDALONE else L.Fabric
+    chosen = strategy_for(strategy, plugin, **strategy_options)
+    fabric = fabric_type(accelerator="cpu", devices=WORLD, strategy=chosen, plugins=[plugin])
     fabric.launch()
     torch.manual_seed(seed)
     plugin.engine.read_norms()  # as a MixedPrecisionMonitor does: each step's norm is measured (for the records)
