@@ -39,6 +39,15 @@ from lightning_amp_plus.step.sharding import is_dtensor
 __all__ = ["MixedPrecisionMonitor"]
 
 _POLICIES = ("warn", "raise", "stop")
+# Why a skipped step's cause was not examined, as the summary says it (AmpHistory.unexamined).
+_AUTOPSY_OFF = (
+    "the monitor's autopsy, which replays such a step and says where its first inf/NaN starts, is off: "
+    "MixedPrecisionMonitor(autopsy=True) turns it on"
+)
+_NO_REPLAY_GIVEN = (
+    "in a Fabric or plain loop the monitor's autopsy replays such a step, and says where its first inf/NaN starts, "
+    "when observe() is given model=... and replay=..."
+)
 
 
 class MixedPrecisionMonitor(Callback):
@@ -253,6 +262,8 @@ class MixedPrecisionMonitor(Callback):
         self._start(source_for(plugin, trainer), "CUDA memory" if _on_cuda(trainer) else None, plugin)
         self._training = True  # until this fit's summary is out
         self._check.named(pl_module)  # read once: the parameters are fixed during fit
+        unreplayable = _unreplayable(self._source, type(plugin).__name__, pl_module, self._check.named())
+        self.history.unexamined = unreplayable or self.history.unexamined  # the set-up's reason before autopsy=False
 
     @override
     def on_train_batch_start(
@@ -368,6 +379,8 @@ class MixedPrecisionMonitor(Callback):
         if model is not None and replay is not None:
             self._examiner.examine(steps, last + 1, Replay.of_fabric(plugin, model, replay), None, self.history)
             metrics.update(self._examiner.headroom_metrics())
+        else:
+            self.history.unexamined = _NO_REPLAY_GIVEN
         if model is not None:
             self._check.named(model)  # its parameters, read once per model: the check's and the summary's
         if model is not None and self._check.due(last + 1):
@@ -393,17 +406,17 @@ class MixedPrecisionMonitor(Callback):
     # ------------------------------------------------------------------------------------ autopsy and headroom
     def _replays(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
         """Whether this run's batches may be replayed: our plugins, automatic optimization, rank zero, unsharded."""
-        if not self._examiner.active or not isinstance(self._source, EngineSteps):
+        if not self._examiner.active or not trainer.is_global_zero:
             return False
-        if not pl_module.automatic_optimization or not trainer.is_global_zero:
-            return False
-        return not any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in self._check.named())
+        name = type(trainer.precision_plugin).__name__
+        return _unreplayable(self._source, name, pl_module, self._check.named()) is None
 
     # -------------------------------------------------------------------------------------------------- helpers
     def _start(self, source: StepSource, memory_kind: str | None, plugin: Any, from_first: bool = False) -> None:
         self._source = source
         self._fp8.start(plugin, from_first=from_first)  # its checks before now are an earlier run's (Trainer)
         self.history = AmpHistory(memory_kind=memory_kind or "process memory", fp8=self._fp8.record)
+        self.history.unexamined = None if self._examiner.autopsy else _AUTOPSY_OFF
         self._watch = _SkipWatch(self.skip_window, self.skip_warn_rate)  # afresh for each run
         self._check.should_stop = False
         self._examiner.reset()
@@ -440,6 +453,28 @@ def _logs_this_step(trainer: pl.Trainer) -> bool:
     """
     connector = getattr(trainer, "_logger_connector", None)
     return True if connector is None else bool(connector.should_update_logs)
+
+
+def _unreplayable(
+    source: StepSource, plugin: str, module: pl.LightningModule, named: list[tuple[str, Tensor]]
+) -> str | None:
+    """Why the monitor cannot replay this Trainer run's batches (the summary's words), or ``None`` where it can.
+
+    ``plugin`` is the precision plugin's class name; ``named``, the module's parameters by name.
+    """
+    if not isinstance(source, EngineSteps):  # a replay runs on the plugin's engine (its autocast, its scale floor)
+        return (
+            "the monitor's autopsy, which replays such a step and says where its first inf/NaN starts, runs under this "
+            f"package's plugins, not under {plugin}"
+        )
+    if not module.automatic_optimization:
+        return (
+            "the monitor's autopsy replays steps of automatic optimization only, and this LightningModule steps its "
+            "optimizers itself"
+        )
+    if any(is_dtensor(p) or getattr(p, "_fsdp_flattened", False) for _, p in named):
+        return "the monitor's autopsy replays no step of a sharded model (FSDP, FSDP2): its forward needs every rank"
+    return None
 
 
 class _StepMetrics:

@@ -68,11 +68,20 @@ class Examiner:
     ) -> None:
         """After an optimizer step: a skipped step's autopsy, a headroom reading when due (``count``: steps done)."""
         rng, self._rng = self._rng, None
-        if replay is None or rng is None:
+        if replay is None:
             return
         skipped = next((result for result in steps if result.overflowed), None)  # a spike is not an overflow
+        if rng is None:  # a loop that did not call batch_start(): the batch's random numbers cannot be drawn again
+            if skipped is not None and self.autopsy:
+                history.unexamined = (
+                    "the monitor's autopsy replays a step of a loop that calls monitor.batch_start() before the "
+                    "batch's forward, for its random state"
+                )
+            return
         if skipped is not None and self.autopsy and self._made < self.autopsy_limit:
             self._autopsy(skipped, replay, rng, count - 1, outputs, history)
+        elif skipped is not None and self.autopsy:
+            history.unexamined = f"the monitor had made the autopsy_limit={self.autopsy_limit} autopsies of the run"
         if self.headroom_interval and count % self.headroom_interval == 0:
             self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
             history.headroom.append((count - 1, self.headroom))

@@ -66,6 +66,10 @@ class AmpHistory:
     """Sentences the summary adds as they are (e.g. how compensated bf16 weights were kept)."""
     fp8: FP8Record | None = None
     """Under ``"fp8-mixed"``: what the FP8 readings found (``None`` under the other precisions)."""
+    unexamined: str | None = None
+    """Why the autopsy did not examine this run's skipped steps (what the summary says of a skip whose cause it does
+    not know: the autopsy off, another precision plugin, manual optimization, a sharded model, a loop that gives no
+    replay, the autopsy limit reached), or ``None`` where nothing kept it from them."""
     replayed: dict[int, str | None] = field(default_factory=dict)
     """Skipped steps the autopsy replayed, and the kind of cause it found (``"forward"``, ``"scale"``,
     ``"backward"``), or ``None`` when the replay at the same scale found every gradient finite. A cause found again

@@ -123,11 +123,13 @@ def _scaled_skips(history: AmpHistory) -> str:
         )
     if unexplained:
         cause = "its cause was" if len(unexplained) == 1 else "their causes were"
+        why = history.unexamined or (
+            "under this package's plugins the monitor's autopsy replays such a step and says where its first inf/NaN "
+            "starts; in a Fabric or plain loop, pass observe(..., replay=...)"
+        )
         said.append(
             f"{_steps(unexplained)} had non-finite gradients at a loss scale earlier steps had passed at: not the "
-            f"overflow that follows the scale's growth, and {cause} not examined (under this package's plugins "
-            "the monitor's autopsy replays such a step and says where its first inf/NaN starts; in a Fabric or plain "
-            "loop, pass observe(..., replay=...))"
+            f"overflow that follows the scale's growth, and {cause} not examined ({why})"
         )
     return "; ".join(said)
 

@@ -152,6 +152,7 @@ def fit(
         "state": plugin.state_dict(),
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "steps": [(e.step, e.scale, e.skipped, e.grad_norm) for e in monitor.history.steps],
+        "summary": monitor.summary(),
     }
 
 
@@ -255,3 +256,16 @@ def test_a_sharded_checkpoint_resumed_under_pytorch_lightning_ends_where_the_str
         assert again["lr"] == straight["lr"]
         assert repr(again["steps"]) == repr(straight["steps"][RESUME_AT:])
         assert "meta.pt" in record[strategy]["files"]  # the plugin's state rides with Lightning's metadata
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "model_parallel"])
+def test_the_monitor_says_it_does_not_replay_the_skipped_steps_of_a_sharded_model(
+    ranks: list[dict[str, Any]], strategy: str
+) -> None:
+    # Steps 1 and 5 skip at a scale earlier steps passed at: the summary says why no autopsy examined them.
+    for record in scenario(ranks, "resumed"):
+        for run in (record[strategy]["straight"], record[strategy]["resumed"]):
+            assert (
+                "not examined (the monitor's autopsy replays no step of a sharded model (FSDP, FSDP2): its forward "
+                "needs every rank)"
+            ) in run["summary"]

@@ -175,7 +175,10 @@ def test_a_nan_that_happens_once_is_not_called_a_routine_overflow(autopsy: bool)
         )
     else:
         assert "step 4 had non-finite gradients at a loss scale earlier steps had passed at" in summary
-        assert "its cause was not examined" in summary
+        assert (
+            "its cause was not examined (the monitor's autopsy, which replays such a step and says where its first "
+            "inf/NaN starts, is off: MixedPrecisionMonitor(autopsy=True) turns it on)"
+        ) in summary
 
 
 def test_at_most_autopsy_limit_autopsies_are_made() -> None:
@@ -188,6 +191,111 @@ def test_autopsy_false_makes_none() -> None:
     monitor = MixedPrecisionMonitor(autopsy=False)
     fit(Faulty("forward", fault_batches=(2,)), fp16(), monitor)
     assert monitor.autopsies == []
+
+
+# ------------------------------------------------------------------------------ why a skip was not examined
+class NaNAt(Faulty):
+    """A NaN loss at the chosen global steps, once each (a replay after the step, at the next global step, is finite).
+
+    Under manual optimization (``manual=True``) it steps its optimizer itself.
+    """
+
+    def __init__(self, steps: tuple[int, ...], manual: bool = False) -> None:
+        super().__init__()
+        self.nan_steps = set(steps)
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step in self.nan_steps:
+            loss = loss * float("nan")
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+
+def not_examined_because(summary: str) -> str:
+    """What the summary says kept the autopsy from a skip's cause (the parenthesis after "not examined")."""
+    said = summary.split("not examined (", 1)[1]
+    return said[: said.index(");")]
+
+
+def test_a_skip_under_another_precision_plugin_says_the_autopsy_runs_under_this_packages_plugins() -> None:
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    monitor = MixedPrecisionMonitor()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    fit(NaNAt(steps=(4,)), MixedPrecision("16-mixed", "cpu", scaler=scaler), monitor)
+    assert monitor.history.skipped == [4]
+    assert not_examined_because(monitor.summary()) == (
+        "the monitor's autopsy, which replays such a step and says where its first inf/NaN starts, runs under this "
+        "package's plugins, not under MixedPrecision"
+    )
+
+
+def test_a_skip_under_manual_optimization_says_the_autopsy_replays_automatic_optimization_only() -> None:
+    monitor = MixedPrecisionMonitor()
+    fit(NaNAt(steps=(4,), manual=True), fp16(), monitor)
+    assert monitor.history.skipped == [4] and monitor.history.replayed == {}
+    assert not_examined_because(monitor.summary()) == (
+        "the monitor's autopsy replays steps of automatic optimization only, and this LightningModule steps its "
+        "optimizers itself"
+    )
+
+
+def test_a_skip_after_the_autopsy_limit_says_the_limit_was_reached() -> None:
+    class RaiseScale(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            if trainer.global_step == 10:
+                trainer.scaler.update(new_scale=2.0**24)  # steps 10-18 overflow; the autopsy of step 10: "scale"
+
+    monitor = MixedPrecisionMonitor(autopsy_limit=1)
+    fit(NaNAt(steps=(21,)), fp16(), monitor, steps=24, callbacks=[RaiseScale()])
+    assert [(a.kind, a.step) for a in monitor.autopsies] == [("scale", 10)]
+    assert monitor.history.skipped == [*range(10, 19), 21] and 21 not in monitor.history.replayed
+    assert not_examined_because(monitor.summary()) == "the monitor had made the autopsy_limit=1 autopsies of the run"
+
+
+def fabric_run(monitor: MixedPrecisionMonitor, *, replay: bool, batch_start: bool) -> None:
+    """Four steps of a Fabric loop, the loss NaN at step 2 (after applied steps at the same scale)."""
+    plugin = amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = MLP(norm=True)
+    model, optimizer = fabric.setup(net, torch.optim.Adam(net.parameters(), lr=1e-3))
+    x, y = batch(seed=3)
+    for step in range(4):
+        if batch_start:
+            monitor.batch_start()
+        loss = F.mse_loss(model(x).float(), y)
+        fabric.backward(loss * float("nan") if step == 2 else loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if replay:
+            monitor.observe(plugin, model=model, replay=lambda: F.mse_loss(model(x).float(), y))
+        else:
+            monitor.observe(plugin, model=model)
+    assert monitor.history.skipped == [2] and monitor.history.replayed == {}
+
+
+def test_a_fabric_loop_without_a_replay_says_what_observe_needs_for_the_autopsy() -> None:
+    monitor = MixedPrecisionMonitor()
+    fabric_run(monitor, replay=False, batch_start=True)
+    assert not_examined_because(monitor.summary()) == (
+        "in a Fabric or plain loop the monitor's autopsy replays such a step, and says where its first inf/NaN "
+        "starts, when observe() is given model=... and replay=..."
+    )
+
+
+def test_a_fabric_loop_that_does_not_call_batch_start_is_told_to() -> None:
+    monitor = MixedPrecisionMonitor()
+    fabric_run(monitor, replay=True, batch_start=False)
+    assert not_examined_because(monitor.summary()) == (
+        "the monitor's autopsy replays a step of a loop that calls monitor.batch_start() before the batch's forward, "
+        "for its random state"
+    )
 
 
 # ------------------------------------------------------------------------------------- nothing left behind
