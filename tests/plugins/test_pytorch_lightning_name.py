@@ -111,3 +111,68 @@ def test_pytorch_lightning_trains_the_shipped_cnn_with_the_plugin_and_the_monito
     # The monitor saw every step, with the same scale and norm as under lightning.pytorch.
     seen = [(entry.step, entry.scale, entry.grad_norm) for entry in monitor.history.steps]
     assert len(seen) == 6 and seen == [(e.step, e.scale, e.grad_norm) for e in lightnings_monitor.history.steps]
+
+
+def gpt_module(pl: Any) -> Any:
+    """litgpt's tiny GPT in a LightningModule over ``pl`` (either package), a NaN at one layer's input at step 2."""
+    from fp8_models import LAYER, LR, Faults, gpt, lm_loss
+
+    class GPTModule(pl.LightningModule):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = gpt(0)
+            self.faults = Faults(self.gpt.get_submodule(LAYER))
+
+        def training_step(self, batch: tuple[torch.Tensor, int], _index: int) -> torch.Tensor:
+            tokens, step = batch
+            self.faults.on = int(step) == 2
+            return lm_loss(self.gpt, tokens)
+
+        def validation_step(self, batch: tuple[torch.Tensor, int], _index: int) -> None:
+            self.log("val_loss", lm_loss(self.gpt, batch[0]), batch_size=len(batch[0]))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.1)
+
+    return GPTModule()
+
+
+@pytest.mark.filterwarnings(r"ignore:.*'fp8-mixed'\) on CPU:UserWarning")
+@pytest.mark.filterwarnings("ignore:MixedPrecisionMonitor. step 2. layer:RuntimeWarning")  # the autopsy, on both
+def test_fp8_under_pytorch_lightning_equals_lightning_bit_for_bit_with_a_nan_step_validation_and_the_monitor() -> None:
+    pytest.importorskip("torchao.float8", reason="fp8-mixed needs torchao (the fp8 extra)")
+    pytest.importorskip("litgpt", reason="the FP8 model is litgpt's GPT")
+    from fp8_models import loader
+
+    def fit(pl: Any, amp: Any) -> tuple[Any, Any, Any]:
+        model = gpt_module(pl)
+        plugin = amp.MixedPrecisionPlugin("fp8-mixed", "cpu", fp8_check_interval=2)
+        monitor = amp.MixedPrecisionMonitor(log_memory=False, prog_bar=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=5,
+            plugins=[plugin],
+            callbacks=[monitor],
+            val_check_interval=2,
+            limit_val_batches=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+        )
+        trainer.fit(model, loader(range(5)), loader([100]))
+        return model, plugin, monitor
+
+    model, plugin, monitor = fit(pytorch_lightning, standalone)
+    reference_model, reference, reference_monitor = fit(lightning.pytorch, lightning_amp_plus)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference_model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert plugin.skipped_steps == reference.skipped_steps == 1
+    assert list(plugin.fp8.layers) == list(reference.fp8.layers) and len(plugin.fp8.layers) == 9
+    assert [c.step for c in plugin.fp8.checks] == [c.step for c in reference.fp8.checks] == [0, 2, 4]
+    assert repr([c.readings for c in plugin.fp8.checks]) == repr([c.readings for c in reference.fp8.checks])
+    # Each load has its own record class: compared by their fields.
+    assert monitor.history.fp8 is not None and repr(monitor.history.fp8) == repr(reference_monitor.history.fp8)
+    assert monitor.summary() == reference_monitor.summary()
+    assert "transformer.h.0.mlp.proj" in monitor.summary()  # the layer whose input held the NaN, named first
