@@ -16,8 +16,9 @@ DDP its copy of the averaged gradient, under FSDP its shard. The tests compare w
 * ``ModelParallelStrategy`` (FSDP2, ``fully_shard`` in its ``parallelize_fn``) with ``MixedPrecisionPlugin`` equals
   DDP too; with ``fully_shard(..., mp_policy=plugin.mp_policy)`` (FP32 shards, half compute) it skips and measures as
   the others;
-* DDP and FSDP under ``lightning_fabric.Fabric`` (Lightning's standalone package) with the plugins of
-  ``lightning_amp_plus.lightning_fabric`` equal the same strategies under ``lightning.Fabric`` bit for bit.
+* DDP, FSDP and FSDP2 under ``lightning_fabric.Fabric`` (Lightning's standalone package) with the plugins of
+  ``lightning_amp_plus.lightning_fabric`` equal the same strategies under ``lightning.Fabric`` bit for bit, and a
+  sharded checkpoint saved and resumed under it ends where the straight run under ``lightning.Fabric`` does.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ import torch.nn.functional as F
 from cpu_fsdp_fabric import CPUFabricFSDPStrategy, cpu_fsdp_strategy
 from fabric_loops import GROWTH_INTERVAL, START_SCALE, batch, make_model, make_optimizer
 from launch import WORLD, run_pool, scenario
-from lightning.fabric.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
@@ -54,8 +54,12 @@ FSDP_MASTER = "fsdp-master"
 FSDP2_MASTER = "model_parallel-master"
 
 
-# DDP and FSDP under Lightning's standalone Fabric package, with the plugins built over it: each and its strategy.
-STANDALONE = {"ddp-lightning_fabric": "ddp", "fsdp-lightning_fabric": "fsdp"}
+# DDP, FSDP and FSDP2 under Lightning's standalone Fabric package, with the plugins built over it: each, its strategy.
+STANDALONE = {
+    "ddp-lightning_fabric": "ddp",
+    "fsdp-lightning_fabric": "fsdp",
+    "model_parallel-lightning_fabric": "model_parallel",
+}
 
 
 def plugin_for(strategy: str, precision: str) -> MixedPrecisionPlugin | FSDPMixedPrecisionPlugin:
@@ -88,10 +92,12 @@ def strategy_for(strategy: str, plugin: Any, **options: Any) -> Any:
         return CPUFabricFSDPStrategy(**options)
     if STANDALONE.get(strategy) == "fsdp":
         return cpu_fsdp_strategy("lightning_fabric")(**options)
-    if strategy in ("model_parallel", FSDP2_MASTER):
+    if strategy in ("model_parallel", FSDP2_MASTER, "model_parallel-lightning_fabric"):
         policy = plugin.mp_policy if strategy == FSDP2_MASTER else None
         shard = functools.partial(shard_with_fsdp2, mp_policy=policy)
-        return ModelParallelStrategy(shard, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
+        package = "lightning_fabric" if strategy in STANDALONE else "lightning.fabric"
+        kind = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
+        return kind(shard, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
     return "ddp"
 
 
@@ -194,12 +200,23 @@ def runs(out: Path) -> dict[str, Any]:
 
 
 def resumed(out: Path) -> dict[str, Any]:
-    """fp16 under FSDP: straight to the end, and saved after 3 steps (sharded), resumed in fresh objects to the end."""
+    """fp16 under FSDP: straight to the end, and saved after 3 steps (sharded), resumed in fresh objects to the end; the
+    same under FSDP and FSDP2 of ``lightning_fabric``."""
     path = out / "fsdp-step3"
     straight = train("fsdp", "16-mixed")
     train("fsdp", "16-mixed", steps=3, save=(3, path))
     again = train("fsdp", "16-mixed", seed=1, load=path)
-    return {"straight": straight, "resumed": again, "files": sorted(p.name for p in path.iterdir())}
+    standalone = {}
+    for strategy in ("fsdp-lightning_fabric", "model_parallel-lightning_fabric"):  # saved and resumed under it
+        saved_at = out / f"{strategy}-step3"
+        train(strategy, "16-mixed", steps=3, save=(3, saved_at))
+        standalone[strategy] = train(strategy, "16-mixed", seed=1, load=saved_at)
+    return {
+        "straight": straight,
+        "resumed": again,
+        "files": sorted(p.name for p in path.iterdir()),
+        "standalone": standalone,
+    }
 
 
 SCENARIOS = {"runs": runs, "resumed": resumed}
@@ -270,7 +287,7 @@ def test_sharded_runs_equal_ddp(ranks: list[dict[str, Any]], strategy: str, prec
 def test_under_lightning_fabric_the_strategy_equals_the_same_under_lightning_bit_for_bit(
     ranks: list[dict[str, Any]], strategy: str, precision: str
 ) -> None:
-    module = "precision" if STANDALONE[strategy] == "ddp" else "fsdp"
+    module = "fsdp" if STANDALONE[strategy] == "fsdp" else "precision"
     for record in scenario(ranks, "runs"):
         mine, lightnings = record[f"{strategy}/{precision}"], record[f"{STANDALONE[strategy]}/{precision}"]
         assert mine["built_on"] == ("lightning_fabric", f"lightning_amp_plus._standalone.plugins.{module}")
@@ -298,3 +315,17 @@ def test_a_run_resumed_under_fsdp_equals_the_uninterrupted_one(ranks: list[dict[
         # ... which Fabric's FSDP load hands back as the saved dict, without calling the plugin's load_state_dict:
         # the loop above loads it itself, as docs/fabric.md says (Fabric's single-device and DDP loads call it).
         assert again["handed_back"] == "dict"
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-lightning_fabric", "model_parallel-lightning_fabric"])
+def test_a_sharded_checkpoint_resumed_under_lightning_fabric_ends_where_the_run_under_lightning_does(
+    ranks: list[dict[str, Any]], strategy: str
+) -> None:
+    for resumed_of_rank, runs_of_rank in zip(scenario(ranks, "resumed"), scenario(ranks, "runs"), strict=True):
+        again, straight = resumed_of_rank["standalone"][strategy], runs_of_rank[f"{STANDALONE[strategy]}/16-mixed"]
+        assert again["built_on"][0] == "lightning_fabric" and straight["built_on"][0] == "lightning"
+        for p, q in zip(again["params"], straight["params"], strict=True):
+            assert torch.equal(p, q)
+        assert again["state"] == straight["state"] and again["skipped_steps"] == 1
+        assert repr(again["records"]) == repr(straight["records"][3:])
+        assert again["handed_back"] == "dict"  # a sharded load hands the plugin's state back (docs/fabric.md)
