@@ -64,12 +64,10 @@ class Examiner:
             self._rng = RngState.capture()
 
     def examine(
-        self, steps: list[StepResult], count: int, replay: Replay | None, outputs: Any, history: AmpHistory
+        self, steps: list[StepResult], count: int, replay: Replay, outputs: Any, history: AmpHistory
     ) -> None:
         """After an optimizer step: a skipped step's autopsy, a headroom reading when due (``count``: steps done)."""
         rng, self._rng = self._rng, None
-        if replay is None:
-            return
         skipped = next((result for result in steps if result.overflowed), None)  # a spike is not an overflow
         if rng is None:  # a loop that did not call batch_start(): the batch's random numbers cannot be drawn again
             if skipped is not None and self.autopsy:
