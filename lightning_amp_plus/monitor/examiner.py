@@ -63,9 +63,7 @@ class Examiner:
         if self.active:
             self._rng = RngState.capture()
 
-    def examine(
-        self, steps: list[StepResult], count: int, replay: Replay, outputs: Any, history: AmpHistory
-    ) -> None:
+    def examine(self, steps: list[StepResult], count: int, replay: Replay, outputs: Any, history: AmpHistory) -> None:
         """After an optimizer step: a skipped step's autopsy, a headroom reading when due (``count``: steps done)."""
         rng, self._rng = self._rng, None
         skipped = next((result for result in steps if result.overflowed), None)  # a spike is not an overflow
