@@ -188,6 +188,7 @@ class MixedPrecisionMonitor(Callback):
         self._step_metrics = _StepMetrics(prog_bar)
         self._fp8 = FP8Watch(warn_pct, rank_zero_warn)
         self._training = False  # a fit is under way whose summary is not out yet
+        self._replaying = False  # this fit's batches are replayed (set at its start: what it depends on is fixed)
 
     # ---------------------------------------------------------------------------------------------- readings
     @property
@@ -264,13 +265,15 @@ class MixedPrecisionMonitor(Callback):
         self._check.named(pl_module)  # read once: the parameters are fixed during fit
         unreplayable = _unreplayable(self._source, type(plugin).__name__, pl_module, self._check.named())
         self.history.unexamined = unreplayable or self.history.unexamined  # the set-up's reason before autopsy=False
+        # Replayed: our plugins, automatic optimization, rank zero, an unsharded model, an autopsy or headroom asked.
+        self._replaying = unreplayable is None and trainer.is_global_zero and self._examiner.active
 
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._source.begin_batch()
-        if self._replays(trainer, pl_module):
+        if self._replaying:
             self._examiner.batch_start()
         self._fp8.arm(trainer.global_step, self.headroom_interval)
         self._step_metrics.everything = _logs_this_step(trainer)
@@ -300,7 +303,7 @@ class MixedPrecisionMonitor(Callback):
         peak = memory.get("cuda_peak_mb", memory.get("cpu_rss_mb"))
         # global_step counts every optimizer step, skipped or not
         self._record(steps, trainer.global_step - len(steps), peak)
-        if self._replays(trainer, pl_module):
+        if self._replaying:
             replay = trainer_replay(trainer, pl_module, batch, batch_idx)
             self._examiner.examine(steps, trainer.global_step, replay, outputs, self.history)
             for key, value in self._examiner.headroom_metrics().items():
@@ -402,14 +405,6 @@ class MixedPrecisionMonitor(Callback):
         if target is None:
             raise ValueError("`MixedPrecisionMonitor.write_chart()` needs a path: pass one, or set report_path.")
         return write_chart(self.history, target)
-
-    # ------------------------------------------------------------------------------------ autopsy and headroom
-    def _replays(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> bool:
-        """Whether this run's batches may be replayed: our plugins, automatic optimization, rank zero, unsharded."""
-        if not self._examiner.active or not trainer.is_global_zero:
-            return False
-        name = type(trainer.precision_plugin).__name__
-        return _unreplayable(self._source, name, pl_module, self._check.named()) is None
 
     # -------------------------------------------------------------------------------------------------- helpers
     def _start(self, source: StepSource, memory_kind: str | None, plugin: Any, from_first: bool = False) -> None:

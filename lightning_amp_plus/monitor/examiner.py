@@ -163,7 +163,7 @@ class Replay:
 
 def trainer_replay(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int) -> Replay:
     """The replay of a Trainer's batch: its ``training_step`` again, its ``self.log`` calls silenced."""
-    plugin: Any = trainer.precision_plugin  # one of ours (see MixedPrecisionMonitor._replays)
+    plugin: Any = trainer.precision_plugin  # one of ours (see MixedPrecisionMonitor.on_train_start)
 
     def run() -> Tensor:
         with _silenced(pl_module):  # a replay logs nothing: the run's metrics stay the run's
