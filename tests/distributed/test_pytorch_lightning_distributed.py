@@ -191,11 +191,8 @@ def resumed(out: Path) -> dict[str, Any]:
             strategy=strategy_for(namespace, name, **options),
             ckpt_path=path,
         )
-        results[name] = {
-            "straight": {key: value for key, value in straight.items() if key != "trainer"},
-            "resumed": {key: value for key, value in again.items() if key != "trainer"},
-            "files": sorted(p.name for p in path.iterdir()),
-        }
+        del straight["trainer"], again["trainer"]  # records only: a Trainer does not leave the worker
+        results[name] = {"straight": straight, "resumed": again, "files": sorted(p.name for p in path.iterdir())}
     return results
 
 

@@ -88,6 +88,17 @@ def fit(model: pl.LightningModule, plugin: Any, monitor: MixedPrecisionMonitor, 
     make_trainer(plugin, max_steps=steps, max_epochs=-1, callbacks=callbacks, **kw).fit(model, data())
 
 
+class RaiseScale(pl.Callback):
+    """Sets the loss scale to 2**24 after global step ``at``, as a user's too-high scale would come back."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            trainer.scaler.update(new_scale=2.0**24)
+
+
 # ---------------------------------------------------------------------------------------------- the kinds
 def test_a_forward_overflow_is_blamed_on_its_layer_with_the_fix() -> None:
     monitor = MixedPrecisionMonitor()
@@ -129,14 +140,9 @@ def test_the_scales_first_descent_is_routine_and_a_later_scale_overflow_is_repor
     """At 2**24 this model's scaled loss gradient overflows fp16: the scale comes down from init_scale without an
     autopsy. After applied steps, a scale set high again overflows once more: that one is diagnosed "scale"."""
 
-    class RaiseScale(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == 30:
-                trainer.scaler.update(new_scale=2.0**24)  # as a user's too-high scale would come back
-
     monitor = MixedPrecisionMonitor()
     plugin = fp16(init_scale=2.0**24)
-    fit(Faulty(), plugin, monitor, steps=34, callbacks=[RaiseScale()])
+    fit(Faulty(), plugin, monitor, steps=34, callbacks=[RaiseScale(at=30)])
     first_applied = next(record.step for record in monitor.history.steps if not record.skipped)
     assert first_applied >= 2  # the premise: a first descent of several skips
     assert all(a.kind == "scale" and a.step > first_applied for a in monitor.autopsies)
@@ -247,13 +253,9 @@ def test_a_skip_under_manual_optimization_says_the_autopsy_replays_automatic_opt
 
 
 def test_a_skip_after_the_autopsy_limit_says_the_limit_was_reached() -> None:
-    class RaiseScale(pl.Callback):
-        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-            if trainer.global_step == 10:
-                trainer.scaler.update(new_scale=2.0**24)  # steps 10-18 overflow; the autopsy of step 10: "scale"
-
     monitor = MixedPrecisionMonitor(autopsy_limit=1)
-    fit(NaNAt(steps=(21,)), fp16(), monitor, steps=24, callbacks=[RaiseScale()])
+    # Steps 10-18 overflow as the scale comes down again; the autopsy of step 10 says "scale".
+    fit(NaNAt(steps=(21,)), fp16(), monitor, steps=24, callbacks=[RaiseScale(at=10)])
     assert [(a.kind, a.step) for a in monitor.autopsies] == [("scale", 10)]
     assert monitor.history.skipped == [*range(10, 19), 21] and 21 not in monitor.history.replayed
     assert not_examined_because(monitor.summary()) == "the monitor had made the autopsy_limit=1 autopsies of the run"
