@@ -6,7 +6,7 @@ on its own batches, in a plain Fabric loop (``fabric.launch``, ``setup_module``,
 at one step rank 1 alone sets one element of its first non-empty *local* gradient to inf after ``backward``: under
 DDP its copy of the averaged gradient, under FSDP its shard. The tests compare what the ranks recorded:
 
-* under Fabric's ``FSDPStrategy`` (the test-only :class:`cpu_fsdp_fabric.CPUFabricFSDPStrategy`, as Fabric refuses
+* under Fabric's ``FSDPStrategy`` (the test-only :func:`cpu_fsdp_fabric.cpu_fsdp_strategy`, as Fabric refuses
   FSDP on CPU) with ``FSDPMixedPrecisionPlugin``, the parameters equal those of the same loop under DDP with
   ``MixedPrecisionPlugin`` (within the tolerance of sums taken in another order, see there);
 * the inf on one rank skips the step on every rank, the ranks' parameters stay identical and finite, and the
@@ -32,7 +32,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from cpu_fsdp_fabric import CPUFabricFSDPStrategy, cpu_fsdp_strategy
+from cpu_fsdp_fabric import cpu_fsdp_strategy
 from fabric_loops import GROWTH_INTERVAL, START_SCALE, batch, make_model, make_optimizer
 from launch import WORLD, run_pool, scenario
 from torch import Tensor, nn
@@ -88,16 +88,15 @@ def shard_with_fsdp2(model: nn.Module, device_mesh: Any, mp_policy: Any = None) 
 
 
 def strategy_for(strategy: str, plugin: Any, **options: Any) -> Any:
-    if strategy in ("fsdp", FSDP_MASTER):
-        return CPUFabricFSDPStrategy(**options)
-    if STANDALONE.get(strategy) == "fsdp":
-        return cpu_fsdp_strategy("lightning_fabric")(**options)
-    if strategy in ("model_parallel", FSDP2_MASTER, "model_parallel-lightning_fabric"):
-        policy = plugin.mp_policy if strategy == FSDP2_MASTER else None
+    package = "lightning_fabric" if strategy in STANDALONE else "lightning.fabric"
+    kind = STANDALONE.get(strategy, strategy)
+    if kind in ("fsdp", FSDP_MASTER):
+        return cpu_fsdp_strategy(package)(**options)
+    if kind in ("model_parallel", FSDP2_MASTER):
+        policy = plugin.mp_policy if kind == FSDP2_MASTER else None
         shard = functools.partial(shard_with_fsdp2, mp_policy=policy)
-        package = "lightning_fabric" if strategy in STANDALONE else "lightning.fabric"
-        kind = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
-        return kind(shard, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
+        model_parallel = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
+        return model_parallel(shard, data_parallel_size=WORLD, tensor_parallel_size=1, **options)
     return "ddp"
 
 
