@@ -283,7 +283,7 @@ class AmpSettings:
             scaler,
             max_consecutive_skips=limit,
             master_weights=self.master_weights,
-            compensation=compensation,  # type: ignore[arg-type]
+            compensation=compensation,
             spike_guard=None if self.spike_guard is None else SpikeGuard(action=self.spike_guard),
             **fp8,
         )

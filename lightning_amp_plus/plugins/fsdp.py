@@ -80,10 +80,9 @@ class _Sharded:
                 "without this plugin)."
             )
         # The plugin's own set-up, not FSDPPrecision.__init__ (it makes a ShardedGradScaler of its own, which `scaler`
-        # refuses). FSDPPrecision's other hooks read `_desired_input_dtype`, set here
-        # (tests/distributed/test_sharded_plugin.py runs them).
+        # refuses). FSDPPrecision's hooks that read its `_desired_input_dtype` are overridden here and in the plugin;
+        # ThroughputMonitor reads the plugin's (the half dtype, as of Lightning's FSDPPrecision at this precision).
         FabricMixedPrecisionPlugin.__init__(self, precision, device, scaler, **options)  # type: ignore[arg-type]
-        self._desired_input_dtype = torch.float32
 
     def _name(self) -> str:
         return "FSDPMixedPrecisionPlugin"
@@ -155,10 +154,6 @@ class FSDPMixedPrecisionPlugin(_Sharded, MixedPrecisionPlugin, TrainerFSDPPrecis
     """
 
     _framework = "Trainer"
-    # Lightning's FSDPPrecision comes before the Fabric plugin in this class's bases, and keeps a GradScaler state: the
-    # plugin's checkpoint state is kept.
-    state_dict = FabricMixedPrecisionPlugin.state_dict
-    load_state_dict = FabricMixedPrecisionPlugin.load_state_dict
 
     def _checkpoint_key(self) -> str:
         return type(self).__qualname__
@@ -194,6 +189,6 @@ class FSDPMixedPrecisionPlugin(_Sharded, MixedPrecisionPlugin, TrainerFSDPPrecis
         # A checkpoint of Lightning's FSDPPrecision holds its ShardedGradScaler state (GradScaler's keys).
         if self._checkpoint_key() not in checkpoint and "FSDPPrecision" in checkpoint:
             if checkpoint["FSDPPrecision"]:
-                _state.load_grad_scaler_state(checkpoint["FSDPPrecision"], self.engine, "FSDPPrecision")
+                _state.load_grad_scaler_state(checkpoint["FSDPPrecision"], self.engine, "under 'FSDPPrecision'")
             return
         super().on_load_checkpoint(checkpoint)

@@ -27,9 +27,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.fabric.utilities import rank_zero_warn
+from lightning.pytorch.plugins.precision import MixedPrecision as TrainerMixedPrecision
 from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
@@ -53,8 +55,9 @@ from lightning_amp_plus.weights.master import refuse_half_copies, refuse_half_ma
 
 __all__ = ["FabricMixedPrecisionPlugin", "MixedPrecisionPlugin", "skipped_steps"]
 
-# Keys under which Lightning's own plugin (and Lightning 1.x's native AMP) stored a GradScaler state.
-_FOREIGN_KEYS = ("MixedPrecision", "native_amp_scaling_state")
+# The key under which Lightning's own plugin stores its GradScaler state. (Lightning 1.x's native AMP stored it under
+# "native_amp_scaling_state", which Lightning hands to the load_state_dict of any MixedPrecision, this plugin included.)
+_LIGHTNINGS_KEY = "MixedPrecision"
 
 
 # This module is loaded twice (lightning_amp_plus._standalone): over `lightning`, and over Lightning's standalone
@@ -86,7 +89,7 @@ def _package(front: str, *, other: bool = False) -> str:
     return "lightning_fabric" if front == "fabric" else "pytorch_lightning"
 
 
-class FabricMixedPrecisionPlugin(FabricPrecision):
+class FabricMixedPrecisionPlugin(FabricMixedPrecision):
     """Mixed precision for Lightning Fabric with a from-scratch loss scaler: ``L.Fabric(plugins=[this])``.
 
     ``"16-mixed"`` runs under fp16 autocast with a :class:`~lightning_amp_plus.DynamicLossScaler`; ``"bf16-mixed"``
@@ -139,6 +142,12 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
     _autocast_cache = True  # as Fabric's own MixedPrecision (the Trainer's turns it off)
     _public_name = "MixedPrecisionPlugin"  # its name in lightning_amp_plus.fabric (and .lightning_fabric)
 
+    # Fabric's MixedPrecision is the base (every method of it is overridden here, and its __init__, which builds a
+    # torch GradScaler and refuses bf16-true and fp8-mixed, does not run) so that what Lightning decides by a plugin's
+    # class holds for this one as for Fabric's own: ThroughputMonitor's compute dtype, which sets the peak FLOPs of its
+    # MFU, reads `_desired_input_dtype` of a MixedPrecision and takes any other plugin for FP32
+    # (tests/plugins/test_throughput.py).
+
     def __init__(
         self,
         precision: Precision = "16-mixed",
@@ -148,12 +157,13 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
     ) -> None:
         self.settings = Settings.checked(self._name(), precision, device, options, refused=self._refused())
         self.precision = precision  # type: ignore[assignment]  # "fp8-mixed" is ours: Lightning reports it
-        self.device = self.settings.device
+        self.device = self.settings.device  # type: ignore[assignment]  # None: the model's, learnt at set-up
         self.engine, self._scaler = _engine(self._name(), self.settings, scaler)
         method = self.settings.compensation
         self.compensators = None if method is None else Compensators(method, self.settings.rounding_seed)
         self.fp8: FP8Training | None = _fp8.fp8_for(self._name(), self.settings)
-        self._half = _half_dtype(self.settings.precision)
+        # The compute (autocast) dtype, where Lightning's MixedPrecision keeps it: ThroughputMonitor reads it there.
+        self._desired_input_dtype = _half_dtype(self.settings.precision)
         self._modules: list[weakref.ref[nn.Module]] = []
         self._fp32_hooks: list[RemovableHandle] = []
         self._stepped: set[int] = set()  # optimizers stepped since the scale last moved (ids)
@@ -185,7 +195,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         )
 
     # ------------------------------------------------------------------------------------------------ readings
-    @property
+    @property  # type: ignore[override]  # a DynamicLossScaler: GradScaler's API, not its class
     def scaler(self) -> DynamicLossScaler | None:
         """The loss scaler (``None`` for bf16): ``torch.amp.GradScaler``'s API over this plugin's engine.
 
@@ -231,7 +241,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         masters the optimizer steps, the forward and backward run on all-gathered half copies, and the gradients are
         reduce-scattered in FP32.
         """
-        return fsdp2_policy(self._half)
+        return fsdp2_policy(self._desired_input_dtype)
 
     # -------------------------------------------------------------------------------------------------- set-up
     @override
@@ -325,7 +335,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         if self.precision == "bf16-true":
             return _DtypeContextManager(torch.bfloat16)  # as Lightning's bf16-true: tensors made in forward are bf16
         device = self.device or self._autocast_device()
-        return torch.autocast(device, dtype=self._half, cache_enabled=self._autocast_cache)
+        return torch.autocast(device, dtype=self._desired_input_dtype, cache_enabled=self._autocast_cache)
 
     @contextmanager
     def autocast_suspended(self) -> Iterator[None]:
@@ -360,7 +370,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         # As Fabric's MixedPrecision: floating inputs in the half dtype (as given during a suspended replay).
         if self._suspended:
             return data
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._half)
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._desired_input_dtype)
 
     @override
     def convert_output(self, data: Any) -> Any:
@@ -468,7 +478,7 @@ class FabricMixedPrecisionPlugin(FabricPrecision):
         self._fp32_hooks = []
 
 
-class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # type: ignore[misc]
+class MixedPrecisionPlugin(TrainerMixedPrecision, FabricMixedPrecisionPlugin):  # type: ignore[misc]
     """Mixed-precision training with autocast, a from-scratch dynamic loss scaler, FP32 master weights, or bf16 weights.
 
     The Trainer's face of the plugin (:class:`FabricMixedPrecisionPlugin` plus the Trainer's hooks):
@@ -548,6 +558,17 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
     _autocast_cache = False  # as Lightning's own plugin: the cast cache breaks under activation checkpointing
     _read_before_step = True  # until connect knows better: unscale before the hooks (set per instance there)
 
+    # Lightning's MixedPrecision is the first base, so that Lightning's checks of a plugin's class take this one for
+    # its own (ThroughputMonitor's compute dtype; a Lightning 1.x checkpoint's "native_amp_scaling_state", handed to
+    # load_state_dict). Its methods come before the Fabric plugin's: those this plugin does not override are taken
+    # from where they came before. Its clip_gradients refuses a fused optimizer; this plugin clips its gradients. (Its
+    # types say an autocast context: bf16-true's is a dtype context.)
+    __init__ = FabricMixedPrecisionPlugin.__init__
+    autocast_context_manager = FabricMixedPrecisionPlugin.autocast_context_manager  # type: ignore[assignment]
+    state_dict = FabricMixedPrecisionPlugin.state_dict
+    load_state_dict = FabricMixedPrecisionPlugin.load_state_dict
+    clip_gradients = TrainerPrecision.clip_gradients
+
     def _refused(self) -> dict[str, str]:
         return {}
 
@@ -620,7 +641,7 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
 
     def _compress_all_reduce(self, model: DistributedDataParallel) -> None:
         # Master weights under DDP: the gradients travel in the half dtype (half the bytes), as DDP's hook compresses.
-        fp16 = self._half == torch.float16
+        fp16 = self._desired_input_dtype == torch.float16
         hook = default_hooks.fp16_compress_hook if fp16 else default_hooks.bf16_compress_hook
         try:
             model.register_comm_hook(None, hook)  # None: the default process group
@@ -638,7 +659,7 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
 
     # ---------------------------------------------------------------------------------------------- autocast
     @override
-    def forward_context(self) -> AbstractContextManager[Any]:
+    def forward_context(self) -> AbstractContextManager[Any]:  # type: ignore[override]  # Lightning's is a generator's
         return self.autocast_context_manager()  # the FP8 readings are armed by train_step_context
 
     @override
@@ -726,10 +747,8 @@ class MixedPrecisionPlugin(TrainerPrecision, FabricMixedPrecisionPlugin):  # typ
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self._checkpoint_key() in checkpoint:
             return  # ours (or a GradScaler state under the old class name): load_state_dict handles it
-        for key in _FOREIGN_KEYS:
-            if key in checkpoint:
-                _state.load_grad_scaler_state(checkpoint[key], self.engine, key)
-                return
+        if _LIGHTNINGS_KEY in checkpoint:
+            _state.load_grad_scaler_state(checkpoint[_LIGHTNINGS_KEY], self.engine, f"under {_LIGHTNINGS_KEY!r}")
 
 
 # ------------------------------------------------------------------------------------------------------- helpers

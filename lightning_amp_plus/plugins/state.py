@@ -78,7 +78,7 @@ def load_state(
     if not isinstance(state, dict):
         raise TypeError(f"The checkpoint's {owner} state is a {type(state).__name__}, not a dict.")
     if is_grad_scaler_state(state):
-        load_grad_scaler_state(state, engine, owner)
+        load_grad_scaler_state(state, engine, f"for {owner}")
         return state
     if state.get("format") != FORMAT or "scaler" not in state or "precision" not in state:
         raise ValueError(_unreadable(state, owner))
@@ -114,15 +114,23 @@ def load_state(
     return state
 
 
-def load_grad_scaler_state(state: object, engine: StepEngine, key: str) -> None:
-    """Load a ``GradScaler`` state found under ``key`` into the engine's scaler (ignored, with a warning, for bf16)."""
+def load_grad_scaler_state(state: object, engine: StepEngine, where: str) -> None:
+    """Load a ``GradScaler`` state into the engine's scaler (ignored, with a warning, for bf16).
+
+    Args:
+        state: the state.
+        engine: the engine whose scaler takes it.
+        where: where the checkpoint holds it, as the messages say it (``"under 'MixedPrecision'"``, or ``"for
+            MixedPrecisionPlugin"`` when the Trainer handed it to the plugin: under the plugin's key, or a Lightning
+            1.x checkpoint's ``"native_amp_scaling_state"``).
+    """
     if engine.loss_scale is None:
-        rank_zero_warn(f"The checkpoint holds an fp16 GradScaler state under {key!r}; bf16 uses no scaler: ignored.")
+        rank_zero_warn(f"The checkpoint holds an fp16 GradScaler state {where}; bf16 uses no scaler: ignored.")
         return
     if not isinstance(state, dict):
         raise TypeError(
-            f"The checkpoint's {key!r} entry is a {type(state).__name__}, not a GradScaler state dict. Remove "
-            "that key from the checkpoint to start with a fresh scaler."
+            f"The checkpoint's entry {where} is a {type(state).__name__}, not a GradScaler state dict. Remove it "
+            "from the checkpoint to start with a fresh scaler."
         )
     engine.load_scaler_state_dict(state)
 

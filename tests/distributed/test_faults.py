@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import random
+import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -479,6 +481,7 @@ def test_a_run_killed_and_resumed_equals_the_uninterrupted_run_bit_for_bit(
 # ------------------------------------------------------------------------------------------- corrupt plugin state
 KEY = "MixedPrecisionPlugin"
 FOREIGN_KEY = "MixedPrecision"  # where Lightning's own plugin saves its torch.amp.GradScaler state
+LEGACY_KEY = "native_amp_scaling_state"  # where Lightning 1.x's native AMP saved it
 # What torch.amp.GradScaler("cpu").state_dict() holds, as Lightning's MixedPrecision plugin saves it.
 GRAD_SCALER_STATE: dict[str, Any] = {
     "scale": 256.0,
@@ -654,13 +657,36 @@ def test_corrupt_plugin_state_raises_an_error_naming_what_is_wrong(
         resume_from(edited(saved_checkpoints[saved_as], edit), resumed_as, tmp_path)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_a_lightning_1_checkpoint_loads_its_grad_scaler_state_once_with_each_warning_said_once(
+    saved_checkpoints: dict[str, dict[str, Any]], tmp_path: Path, precision: str
+) -> None:
+    # Lightning hands "native_amp_scaling_state" to the load_state_dict of any MixedPrecision, which the plugin is
+    # (tests/plugins/test_throughput.py): loaded by the plugin's own on_load_checkpoint as well, it was loaded twice.
+    checkpoint = edited(saved_checkpoints[precision], as_lightnings(GRAD_SCALER_STATE))
+    checkpoint[LEGACY_KEY] = checkpoint.pop(FOREIGN_KEY)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plugin = resume_from(checkpoint, precision, tmp_path)
+    said = [str(warning.message) for warning in caught if re.search("GradScaler|saved", str(warning.message))]
+    if precision == "bf16-mixed":
+        assert said == [
+            "The checkpoint holds an fp16 GradScaler state for MixedPrecisionPlugin; bf16 uses no scaler: ignored."
+        ]
+    else:
+        # The scale and its tracker are Lightning 1.x's; the hyperparameters this plugin's own (said once).
+        assert (plugin.state_dict()["scaler"]["scale"], plugin.state_dict()["scaler"]["_growth_tracker"]) == (256.0, 7)
+        assert len(said) == 1 and "growth_interval" in said[0]
+
+
 @pytest.mark.parametrize("key", [KEY, FOREIGN_KEY])
 def test_a_grad_scaler_state_resumed_under_bf16_is_ignored_with_a_warning_naming_its_key(
     saved_checkpoints: dict[str, dict[str, Any]], tmp_path: Path, key: str
 ) -> None:
     checkpoint = edited(saved_checkpoints["bf16-mixed"], as_lightnings(GRAD_SCALER_STATE))
     checkpoint[key] = checkpoint.pop(FOREIGN_KEY)
-    with pytest.warns(UserWarning, match=rf"fp16 GradScaler state under '{key}'; bf16 uses no scaler: ignored"):
+    where = f"under '{key}'" if key == FOREIGN_KEY else f"for {key}"  # the Trainer hands the plugin its own key
+    with pytest.warns(UserWarning, match=rf"fp16 GradScaler state {where}; bf16 uses no scaler: ignored"):
         plugin = resume_from(checkpoint, "bf16-mixed", tmp_path)
     assert plugin.skipped_steps == 0  # nothing of it was taken
 

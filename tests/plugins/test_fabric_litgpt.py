@@ -2,9 +2,10 @@
 
 A tiny ``litgpt.GPT`` (2 layers, 64 wide, 108k parameters) is trained on random tokens by the loop of
 ``litgpt/pretrain.py::fit``, written out with litgpt's own pieces (``get_lr``: linear warm-up then cosine;
-``chunked_cross_entropy``): ``fabric.setup(model)``, ``fabric.setup_optimizers(AdamW)``, per micro-batch
-``fabric.no_backward_sync(model, enabled=is_accumulating)`` and ``fabric.backward(loss / accumulate)``, then
-``fabric.clip_gradients(model, optimizer, max_norm=...)``, ``optimizer.step()``, ``optimizer.zero_grad()``.
+``chunked_cross_entropy``; its ``ThroughputMonitor`` with the FLOPs ``measure_flops`` counts on a meta-device copy):
+``fabric.setup(model)``, ``fabric.setup_optimizers(AdamW)``, per micro-batch ``fabric.no_backward_sync(model,
+enabled=is_accumulating)`` and ``fabric.backward(loss / accumulate)``, then ``fabric.clip_gradients(model, optimizer,
+max_norm=...)``, ``optimizer.step()``, ``optimizer.zero_grad()``, and the monitor's ``update`` and ``compute``.
 
 Where no overflow happens, our plugin's parameters equal those of Fabric's built-in ``MixedPrecision`` at the same
 precision bit for bit (fp16 with a ``GradScaler`` set like our scaler). With an overflow injected and litgpt's
@@ -16,14 +17,17 @@ lets the NaN through.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import pytest
 import torch
 from fabric_loops import GROWTH_INTERVAL, START_SCALE, UnscalesBeforeFusedSteps, fabrics, ours
 from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.utilities import throughput
 from torch import Tensor, nn
 
 litgpt = pytest.importorskip("litgpt")
@@ -52,10 +56,12 @@ def pretrain(
     fused: bool = False,
     steps: int = STEPS,
     prepare: Callable[[nn.Module], Any] | None = None,
+    monitored: dict[str, Any] | None = None,
     **clip: Any,
 ) -> tuple[list[float], list[list[Tensor]]]:
     """litgpt's ``fit`` loop for ``STEPS`` optimizer steps; returns what ``clip_gradients`` returned at each step
-    and the parameters after each step. ``prepare`` is applied to the model before ``fabric.setup``."""
+    and the parameters after each step. ``prepare`` is applied to the model before ``fabric.setup``; ``monitored``
+    receives the compute dtype the ``ThroughputMonitor`` read (``"dtype"``) and the names of its metrics."""
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     torch.manual_seed(0)
     gpt = litgpt.GPT(litgpt.Config(**CONFIG))
@@ -64,6 +70,15 @@ def pretrain(
     model = fabric.setup(gpt)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1, betas=(0.9, 0.95), fused=fused)
     optimizer = fabric.setup_optimizers(optimizer)
+    with mock.patch.object(throughput, "get_available_flops", wraps=throughput.get_available_flops) as flops_of:
+        monitor = throughput.ThroughputMonitor(fabric, window_size=2)
+    with torch.device("meta"):
+        meta_model = litgpt.GPT(gpt.config)
+        x = torch.randint(0, 1, (MICRO_BATCH, meta_model.max_seq_length))
+        measured_flops = throughput.measure_flops(
+            meta_model, lambda: meta_model(x), lambda y: chunked_cross_entropy(y, x, chunk_size=0)
+        )
+    start = time.perf_counter()
     after: list[list[Tensor]] = []
     norms: list[float] = []
     iteration = step = 0
@@ -87,7 +102,21 @@ def pretrain(
             optimizer.zero_grad()
             step += 1
             after.append([p.detach().clone() for p in model.parameters()])
+        monitor.update(
+            time=time.perf_counter() - start,
+            flops=measured_flops,
+            batches=iteration,
+            samples=iteration * MICRO_BATCH,
+            lengths=iteration * MICRO_BATCH * model.max_seq_length,
+        )
+        metrics = monitor.compute()
+    if monitored is not None:
+        monitored.update(dtype=flops_of.call_args.args[1], metrics=sorted(metrics))
     return norms, after
+
+
+def fabric_dtype(precision: str) -> torch.dtype:
+    return torch.float16 if precision == "16-mixed" else torch.bfloat16
 
 
 def assert_same(mine: list[list[Tensor]], theirs: list[list[Tensor]], what: str) -> None:
@@ -100,9 +129,14 @@ def assert_same(mine: list[list[Tensor]], theirs: list[list[Tensor]], what: str)
 def test_litgpts_pretraining_loop_equals_fabrics_builtin_bit_for_bit(precision: str) -> None:
     plugin = ours(precision)
     plugin.engine.read_norms()  # as a monitor would: the step results carry the norm
-    norms, mine = pretrain(plugin)
-    their_norms, theirs = pretrain(fabrics(precision))
+    monitored: dict[str, Any] = {}
+    their_monitored: dict[str, Any] = {}
+    norms, mine = pretrain(plugin, monitored=monitored)
+    their_norms, theirs = pretrain(fabrics(precision), monitored=their_monitored)
     assert_same(mine, theirs, precision)
+    # litgpt's MFU is counted against the peak of the same dtype (it was FP32's: tests/plugins/test_throughput.py)
+    assert monitored == their_monitored and monitored["dtype"] == fabric_dtype(precision)
+    assert "device/flops_per_sec" in monitored["metrics"]
     assert norms == their_norms and all(norm > MAX_NORM for norm in norms)  # every step clipped
     assert plugin.skipped_steps == 0 and plugin.recent_steps[-1].grad_norm == norms[-1]
     assert not torch.equal(mine[0][0], mine[-1][0])  # premise: it trained

@@ -703,7 +703,7 @@ def test_a_held_scheduler_pickles_and_copies_as_its_original_class() -> None:
 
 def test_garbage_under_lightnings_scaler_key_names_the_key() -> None:
     plugin = MixedPrecisionPlugin("16-mixed", device="cpu")
-    with pytest.raises(TypeError, match=r"checkpoint's 'MixedPrecision' entry is a str, not a GradScaler state"):
+    with pytest.raises(TypeError, match=r"entry under 'MixedPrecision' is a str, not a GradScaler state dict"):
         plugin.on_load_checkpoint({"MixedPrecision": "garbage"})
 
 
