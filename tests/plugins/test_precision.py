@@ -43,7 +43,7 @@ from launch import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
-from torch.optim.lr_scheduler import StepLR
+from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
 from torch.testing import assert_close
 
 from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
@@ -396,6 +396,60 @@ def test_without_holding_schedulers_a_skipped_step_advances_the_scheduler_as_in_
     ours = fit(MixedPrecisionPlugin("16-mixed", device="cpu", scaler=scaler, hold_schedulers_on_skip=False))
     theirs = fit(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)))
     assert ours == theirs == [0.025, 0.0125, 0.00625]
+
+
+class PlateauRegressor(TinyRegressor):
+    """Validated every epoch; the LR under ``ReduceLROnPlateau`` on the validation loss (patience 0: halved at once)."""
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "val_loss"}}
+
+
+class PlateauAfterEachEpoch(pl.Callback):
+    """The plateau scheduler's LR, best loss and bad epochs after each epoch's scheduler step."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[float, float, int]] = []
+
+    def _record(self, trainer: pl.Trainer) -> None:
+        plateau = trainer.lr_scheduler_configs[0].scheduler
+        self.seen.append((plateau.optimizer.param_groups[0]["lr"], plateau.best, plateau.num_bad_epochs))
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch > 0:  # the epoch before has stepped the scheduler
+            self._record(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer)  # the fit's last scheduler step, after its last epoch
+
+
+def test_reduce_lr_on_plateau_steps_as_under_lightnings_plugin_and_is_held_over_an_epoch_of_skips():
+    def fit(plugin: Any, overflow_steps: range) -> list[tuple[float, float, int]]:
+        torch.manual_seed(0)
+        plateau = PlateauAfterEachEpoch()
+        trainer = make_trainer(plugin, max_epochs=4, limit_val_batches=2, callbacks=[plateau])
+        trainer.fit(PlateauRegressor(overflow_steps=overflow_steps), loader(), loader())
+        return plateau.seen
+
+    def lightnings() -> MixedPrecision:
+        return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
+
+    clean = fit(plugin_for("16-mixed"), range(0))
+    assert clean == fit(lightnings(), range(0))  # the scheduler sees the same validation losses, bit for bit
+    assert len(clean) == 4 and clean[0][1] > clean[1][1] > clean[2][1]  # improving: the LR stays at 0.1
+    # Epoch 1 (steps 8 to 15) skipped whole: its validation loss is epoch 0's, no improvement. Lightning's plugin steps
+    # the plateau scheduler on it (one more bad epoch: the LR is halved); ours holds it (every step of its optimizer
+    # since its last step was skipped), so epoch 1 leaves it as epoch 0 left it.
+    ours, theirs = fit(plugin_for("16-mixed"), range(8, 16)), fit(lightnings(), range(8, 16))
+    assert ours[1] == ours[0] == clean[0]
+    assert ours[2:] == clean[1:3]  # then the run goes on as the run without that epoch
+    assert theirs[0] == clean[0] and theirs[1][0] == theirs[0][0] / 2
 
 
 def test_held_scheduler_keeps_its_class_and_state_dict_keys_and_gets_its_class_back_after_fit():
