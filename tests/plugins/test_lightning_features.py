@@ -447,6 +447,37 @@ def test_fit_after_lr_find_starts_from_the_restored_weights(mode: Mode) -> None:
     torch.testing.assert_close(result["restored"], untouched, rtol=0, atol=0)
 
 
+class BatchSized(TinyRegressor):
+    """Its training data in batches of ``self.batch_size``, the attribute Lightning's batch-size finder scales."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="adam")
+        self.batch_size = 4
+
+    def train_dataloader(self) -> DataLoader[tuple[Tensor, ...]]:
+        return loader(n=256, batch_size=self.batch_size)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=str)
+def test_fit_after_scale_batch_size_starts_from_the_restored_weights_at_the_size_found(mode: Mode) -> None:
+    def run(plugin: Precision) -> dict[str, Any]:
+        model = BatchSized()
+        trainer = trainer_for(plugin, max_steps=6, max_epochs=-1)
+        # Trials of 2 steps, the batch doubled after each, each from the checkpoint the finder took before the first.
+        found = Tuner(trainer).scale_batch_size(model, mode="power", max_trials=4, steps_per_trial=2)
+        restored = parameters_of(model)
+        trainer.fit(model)
+        return {"found": found, "restored": restored, "params": parameters_of(model)}
+
+    torch.manual_seed(0)
+    untouched = parameters_of(BatchSized())
+    check_against_lightning(mode, run)
+    torch.manual_seed(0)
+    result = run(ours(mode))
+    assert result["found"] > 4  # premise: it scaled (the size found is Lightning's, compared above)
+    torch.testing.assert_close(result["restored"], untouched, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------------------------- 6. a second Trainer
 @pytest.mark.parametrize("mode", MODES, ids=str)
 def test_a_second_trainer_on_the_same_model_continues_from_the_first_ones_weights(mode: Mode) -> None:
