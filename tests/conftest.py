@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
+from launch import free_port
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,3 +44,22 @@ def _deterministic() -> None:
     torch.manual_seed(0)
     # fp16 on CPU is allowed and says once that it is slow; tests use it on purpose.
     warnings.filterwarnings("ignore", message=r".*fp16 autocast is correct there but slow.*")
+
+
+@pytest.fixture
+def one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A one-process gloo group's environment for a test that starts one in this process (DDP or FSDP, devices=1).
+
+    The variables Lightning sets for the process group are set here first, so that monkeypatch removes them again;
+    the process group is destroyed afterwards, and ``OMP_NUM_THREADS``, which Lightning's launcher sets in this process
+    when the test did not, is taken away again (later tests would otherwise run with it).
+    """
+    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "LOCAL_RANK": "0"}
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    threads = os.environ.get("OMP_NUM_THREADS")
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    if threads is None:
+        os.environ.pop("OMP_NUM_THREADS", None)

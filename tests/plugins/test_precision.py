@@ -11,10 +11,8 @@ backward overflows fp16 on its own at the first steps, and tests that count skip
 from __future__ import annotations
 
 import math
-import os
 import re
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +37,6 @@ from helpers import (
     parameters_of,
     unscaled_reference_grads,
 )
-from launch import free_port
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch import Tensor
@@ -647,22 +644,9 @@ def test_a_bf16_checkpoint_resumed_under_fp16_raises_a_value_error_naming_both_p
 
 # ------------------------------------------------------------------------------------------------------ the skip limit
 @pytest.fixture
-def single_process_ddp(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
-    """Trainer arguments for DDP with one CPU process, so the model is really wrapped (names gain "module.").
-
-    The variables Lightning sets for the process group are set here first, so that monkeypatch removes them again;
-    the process group is destroyed afterwards, and ``OMP_NUM_THREADS``, which Lightning's launcher sets in this process
-    when the test did not, is taken away again (later tests would otherwise run with it).
-    """
-    variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "NODE_RANK": "0", "LOCAL_RANK": "0"}
-    for name, value in variables.items():
-        monkeypatch.setenv(name, value)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    yield {"strategy": "ddp", "devices": 1}
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if threads is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
+def single_process_ddp(one_process_group: None) -> dict[str, Any]:
+    """Trainer arguments for DDP with one CPU process, so the model is really wrapped (names gain "module.")."""
+    return {"strategy": "ddp", "devices": 1}
 
 
 def test_an_overflow_at_every_step_stops_training_with_a_diagnosis_naming_the_parameters(single_process_ddp):

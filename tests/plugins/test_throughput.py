@@ -17,15 +17,13 @@ machine has no GPU to look a peak up for), and the peak Lightning's table gives 
 from __future__ import annotations
 
 import importlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from launch import free_port
 from lightning.fabric.utilities.throughput import _CUDA_FLOPS
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -147,19 +145,6 @@ def test_fabrics_throughput_monitor_reads_the_compute_dtype_lightnings_plugin_gi
     ours, theirs = fabric_dtype(package, plugin), fabric_dtype(package, lightnings_plugin(package, precision))
     assert ours == theirs
     assert isinstance(plugin, importlib.import_module(f"{package}.plugins.precision").MixedPrecision)
-
-
-@pytest.fixture
-def one_process_group(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The variables a one-process gloo group reads (FSDP needs one), removed again with the group afterwards."""
-    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(name, value)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    if threads is None:
-        os.environ.pop("OMP_NUM_THREADS", None)  # Lightning's launcher sets it in this process
 
 
 # Lightning's own FSDPPrecision makes a ShardedGradScaler at 16-mixed and autocasts on CUDA only: each says there is no
