@@ -44,6 +44,7 @@ from lightning_amp_plus.diagnostics.replay import (
     all_finite,
     device_type,
     floating_tensors,
+    no_grad_forward,
     replay,
     untouched,
 )
@@ -65,8 +66,9 @@ def run_autopsy(
     """Replay a skipped step's batch and find where its first inf/NaN came from.
 
     Args:
-        model: the module whose modules are judged (names from ``model.named_modules()``); its parameters are the
-            ones whose gradients decide the step (those that require grad).
+        model: the module whose modules are judged (names from ``model.named_modules()``, without the parts torch's
+            wrappers add: :func:`~lightning_amp_plus.diagnostics.names.plain_name`); its parameters are the ones whose
+            gradients decide the step (those that require grad).
         run: reruns the batch's forward and returns its scalar loss, e.g. ``lambda: module.training_step(batch, i)``
             with logging suppressed. It is called inside ``autocast()``: it must not enter autocast itself (if it
             does, pass ``autocast=contextlib.nullcontext``; the FP32 checks then report ``None``).
@@ -85,6 +87,8 @@ def run_autopsy(
     Raises:
         ValueError: a bad argument (the message names it, its value and the fix).
         TypeError: ``run()`` does not return a scalar loss with a gradient.
+        Unreplayable: the gradients are needed and the loss was computed through a reentrant activation checkpoint
+            (:func:`~lightning_amp_plus.diagnostics.replay.gradients`; a forward fault is still found).
 
     Examples:
         >>> _ = torch.manual_seed(0)
@@ -205,7 +209,7 @@ class _Replayer:
                 _, grads = replay(self.run, self._fp32, 1.0, self.params)
                 finite = grads is not None and all_finite(grads)
             else:
-                with torch.no_grad(), self._fp32():
+                with no_grad_forward(), self._fp32():
                     finite = all_finite([self.run()])
         finally:
             probe.detach()
@@ -226,7 +230,7 @@ class _Replayer:
             if next(seen) != call.number:
                 return
             try:
-                with torch.no_grad(), self._fp32():
+                with no_grad_forward(), self._fp32():
                     output = module.forward(*_upcast(args), **_upcast(kwargs))
                 found.append(AbsRange.of([summarize(t) for t in floating_tensors(output)]))
             except Exception:  # e.g. half weights (a model converted to bf16): no FP32 rerun to compare with

@@ -41,7 +41,15 @@ from torch import Tensor, nn
 
 from lightning_amp_plus._checks import check_real, show
 from lightning_amp_plus.diagnostics.formats import format_of, headroom_bits
-from lightning_amp_plus.diagnostics.replay import AutocastProbe, RngState, device_type, floating_tensors, untouched
+from lightning_amp_plus.diagnostics.names import plain_name
+from lightning_amp_plus.diagnostics.replay import (
+    AutocastProbe,
+    RngState,
+    device_type,
+    floating_tensors,
+    gradients,
+    untouched,
+)
 
 __all__ = ["LayerHeadroom", "measure_headroom"]
 
@@ -94,7 +102,8 @@ def measure_headroom(
 
     Args:
         model: the model; its layers are its modules with parameters of their own that require grad, by qualified
-            name (only those that ran in the replay).
+            name without the parts torch's wrappers add (:func:`~lightning_amp_plus.diagnostics.names.plain_name`;
+            only those that ran in the replay).
         run: reruns the batch's forward and returns its scalar loss, without entering autocast (it is called with
             autocast off; a ``run`` that turns it on raises ``ValueError``).
         scale: the loss scale the percentages are for (the scaler's current scale; 1.0 for bf16).
@@ -108,6 +117,8 @@ def measure_headroom(
     Raises:
         ValueError: a bad argument, or ``run`` entered autocast.
         TypeError: ``run()`` does not return a scalar loss with a gradient.
+        Unreplayable: the loss was computed through a reentrant activation checkpoint
+            (:func:`~lightning_amp_plus.diagnostics.replay.gradients`).
 
     Examples:
         >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
@@ -156,7 +167,7 @@ def measure_headroom(
         grads = dict(zip(params, _gradients(loss, params), strict=True))
         rows = [_layer_row(activations[name], [grads[p] for p in layers[name]], scale, fmt.dtype) for name in ran]
         values = torch.stack([row.to(rows[0].device) for row in rows]).tolist() if rows else []
-    return {name: _reading(row, scale, fmt.dtype) for name, row in zip(ran, values, strict=True)}
+    return {plain_name(name): _reading(row, scale, fmt.dtype) for name, row in zip(ran, values, strict=True)}
 
 
 def _recorder(into: list[Tensor]) -> Callable[[nn.Module, Any, Any], None]:
@@ -172,7 +183,7 @@ def _gradients(loss: Tensor, params: list[Tensor]) -> tuple[Tensor | None, ...]:
             f"`run()` returned {type(loss).__name__ if not isinstance(loss, Tensor) else tuple(loss.shape)}: it must "
             "rerun the batch's forward and return its scalar loss tensor (with a gradient)."
         )
-    return torch.autograd.grad(loss, params, allow_unused=True)
+    return gradients(loss, params)
 
 
 def _layer_row(activations: list[Tensor], grads: list[Tensor | None], scale: float, dtype: torch.dtype) -> Tensor:

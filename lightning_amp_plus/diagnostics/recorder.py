@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_amp_plus.diagnostics.findings import AbsRange, summarize
+from lightning_amp_plus.diagnostics.names import plain_name
 from lightning_amp_plus.diagnostics.replay import floating_tensors
 
 __all__ = ["Call", "Recorder", "Stop"]
@@ -66,7 +67,7 @@ class Recorder:
         self.backward = backward
         self.calls: list[Call] = []
         self.rows: list[list[float]] = []
-        self._names = {module: name for name, module in model.named_modules()}
+        self._names = {module: plain_name(name) for name, module in model.named_modules()}
         self._pending: list[Tensor] = []
         self._stack: list[Call] = []
         self._produced: dict[int, tuple[list[int], Tensor]] = {}

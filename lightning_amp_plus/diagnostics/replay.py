@@ -2,15 +2,22 @@
 
 The autopsy and the headroom both rerun a batch's forward and backward with hooks attached. A replay has to draw the
 same random numbers as the step did (capture an :class:`RngState` at the start of the batch), must not accumulate into
-``.grad`` (its gradients come from ``torch.autograd.grad``, which also fires no DDP gradient hook), and must leave the
-model as it found it: :func:`untouched` puts back the RNG streams, the buffers (BatchNorm running statistics), the
-``training`` flags and the ``.grad`` attributes. Parameters are never written.
+``.grad`` (its gradients come from ``torch.autograd.grad``, which also fires no DDP gradient hook: :func:`gradients`),
+and must leave the model as it found it: :func:`untouched` puts back the RNG streams, the buffers (BatchNorm running
+statistics), the ``training`` flags and the ``.grad`` attributes. Parameters are never written.
+
+A model checkpointed with ``torch.utils.checkpoint(use_reentrant=True)`` (transformers'
+``gradient_checkpointing_enable()`` by default) computes the gradients of the layers it checkpoints only into
+``.grad``: ``torch.autograd.grad`` through it raises, or, where nothing before the checkpointed part needs a gradient,
+leaves those layers out as if they had none. A replay refuses such a graph (:class:`Unreplayable`), and its no-grad
+forwards silence the warning such a checkpoint gives there (its inputs need no gradient: that is the point).
 """
 
 from __future__ import annotations
 
 import random
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -24,9 +31,12 @@ __all__ = [
     "AutocastProbe",
     "Context",
     "RngState",
+    "Unreplayable",
     "all_finite",
     "device_type",
     "floating_tensors",
+    "gradients",
+    "no_grad_forward",
     "replay",
     "untouched",
 ]
@@ -179,8 +189,67 @@ def replay(
         if not bool(torch.isfinite(loss.detach()).all()):
             return loss, None
         scaled = loss if scale == 1.0 else loss * torch.tensor(scale, dtype=torch.float32, device=loss.device)
-        grads = torch.autograd.grad(scaled, list(params), allow_unused=True)
+        grads = gradients(scaled, params)
     return loss, grads
+
+
+class Unreplayable(ValueError):
+    """The gradients of a replayed loss cannot be taken without writing ``.grad`` (see :func:`gradients`)."""
+
+
+REENTRANT_CHECKPOINT = (
+    "the replay's gradients (torch.autograd.grad, which writes no .grad) cannot be taken through "
+    "torch.utils.checkpoint(use_reentrant=True), which computes the gradients of the layers it checkpoints only into "
+    ".grad: checkpoint with use_reentrant=False, as torch recommends (the same gradients; transformers: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))"
+)
+
+
+def gradients(loss: Tensor, params: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+    """The gradients of ``loss`` with respect to ``params`` (``None`` for one it does not reach), not into ``.grad``.
+
+    Raises:
+        Unreplayable: the loss was computed through a reentrant activation checkpoint (torch's
+            ``checkpoint(use_reentrant=True)``, or another library's ``CheckpointFunction``); the message says to
+            checkpoint with ``use_reentrant=False``.
+
+    Examples:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> gradients((w * 3).sum(), [w]), w.grad
+        ((tensor([3., 3.]),), None)
+    """
+    if _through_reentrant_checkpoint(loss):
+        raise Unreplayable(REENTRANT_CHECKPOINT)
+    return torch.autograd.grad(loss, list(params), allow_unused=True)
+
+
+def _through_reentrant_checkpoint(loss: Tensor) -> bool:
+    """Whether the backward graph of ``loss`` has a reentrant checkpoint's node (one Python step per node)."""
+    seen: set[Any] = set()
+    nodes = [loss.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        # By the Function's name: torch's is torch.utils.checkpoint.CheckpointFunction, and DeepSpeed's, Megatron's and
+        # fairscale's reentrant checkpoints are named so too (each computes its layers' gradients into .grad).
+        if getattr(getattr(node, "_forward_cls", None), "__name__", None) == "CheckpointFunction":
+            return True
+        nodes.extend(following for following, _ in node.next_functions)
+    return False
+
+
+@contextmanager
+def no_grad_forward() -> Iterator[None]:
+    """``torch.no_grad()`` for a replay's forward that needs no gradient, without a reentrant checkpoint's warning.
+
+    ``checkpoint(use_reentrant=True)`` warns that no input requires grad ("Gradients will be None") in such a forward;
+    none is asked for there.
+    """
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True", category=UserWarning)
+        yield
 
 
 def _check_loss(loss: object) -> None:

@@ -21,7 +21,7 @@ from torchmetrics import Metric
 
 from lightning_amp_plus.diagnostics.autopsy import Autopsy, run_autopsy
 from lightning_amp_plus.diagnostics.headroom import LayerHeadroom, measure_headroom
-from lightning_amp_plus.diagnostics.replay import RngState
+from lightning_amp_plus.diagnostics.replay import RngState, Unreplayable
 from lightning_amp_plus.monitor.history import AmpHistory
 from lightning_amp_plus.plugins.wrappers import unwrapped
 from lightning_amp_plus.step.engine import StepResult
@@ -37,8 +37,9 @@ class Examiner:
         autopsy_limit: the most autopsies a run makes (a routine one of the first descent is not counted).
         headroom_interval: read headroom every this many optimizer steps (0: never).
 
-    State: the autopsies kept and the count made, the latest headroom reading and whether it was logged, and the
-    random state of the batch in flight (captured at its start).
+    State: the autopsies kept and the count made, the latest headroom reading and whether it was logged, the
+    random state of the batch in flight (captured at its start), and why replays stopped (a model whose gradients a
+    replay cannot take: :class:`~lightning_amp_plus.diagnostics.replay.Unreplayable`; the run goes on without them).
     """
 
     def __init__(self, autopsy: bool, autopsy_limit: int, headroom_interval: int) -> None:
@@ -48,6 +49,7 @@ class Examiner:
         self._made = 0
         self._logged: dict[str, LayerHeadroom] | None = None
         self._rng: RngState | None = None
+        self._stopped: str | None = None
 
     @property
     def active(self) -> bool:
@@ -57,6 +59,7 @@ class Examiner:
     def reset(self) -> None:
         """A new run."""
         self.autopsies, self.headroom, self._made, self._logged, self._rng = [], {}, 0, None, None
+        self._stopped = None
 
     def batch_start(self) -> None:
         """Snapshot the random state a replay of this batch needs (about 2 us)."""
@@ -74,13 +77,26 @@ class Examiner:
                     "batch's forward, for its random state"
                 )
             return
-        if skipped is not None and self.autopsy and self._made < self.autopsy_limit:
-            self._autopsy(skipped, replay, rng, count - 1, outputs, history)
-        elif skipped is not None and self.autopsy:
-            history.unexamined = f"the monitor had made the autopsy_limit={self.autopsy_limit} autopsies of the run"
-        if self.headroom_interval and count % self.headroom_interval == 0:
-            self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
-            history.headroom.append((count - 1, self.headroom))
+        if self._stopped is not None:
+            return  # history.unexamined says why
+        try:
+            if skipped is not None and self.autopsy and self._made < self.autopsy_limit:
+                self._autopsy(skipped, replay, rng, count - 1, outputs, history)
+            elif skipped is not None and self.autopsy:
+                history.unexamined = f"the monitor had made the autopsy_limit={self.autopsy_limit} autopsies of the run"
+            if self.headroom_interval and count % self.headroom_interval == 0:
+                self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
+                history.headroom.append((count - 1, self.headroom))
+        except Unreplayable as refused:
+            # A diagnostic never ends the run it watches: said once, in the summary too, and no replay is tried again.
+            self._stopped = str(refused)
+            if self.autopsy:  # else the summary keeps saying that the autopsy is off
+                history.unexamined = f"the monitor's replays stopped at step {count - 1}: {refused}"
+            history.replays_stopped = (count - 1, self._stopped)
+            rank_zero_warn(
+                f"MixedPrecisionMonitor: no autopsy or headroom reading from step {count - 1} on: {refused}.",
+                category=RuntimeWarning,
+            )
 
     def _autopsy(
         self, result: StepResult, replay: Replay, rng: RngState, step: int, outputs: Any, history: AmpHistory

@@ -70,6 +70,9 @@ class AmpHistory:
     """Why the autopsy did not examine this run's skipped steps (what the summary says of a skip whose cause it does
     not know: the autopsy off, another precision plugin, manual optimization, a sharded model, a loop that gives no
     replay, the autopsy limit reached), or ``None`` where nothing kept it from them."""
+    replays_stopped: tuple[int, str] | None = None
+    """``(step, why)`` when the monitor stopped replaying batches (no autopsy or headroom reading from that step on):
+    a model whose gradients a replay cannot take, as through a reentrant activation checkpoint; ``None`` otherwise."""
     replayed: dict[int, str | None] = field(default_factory=dict)
     """Skipped steps the autopsy replayed, and the kind of cause it found (``"forward"``, ``"scale"``,
     ``"backward"``), or ``None`` when the replay at the same scale found every gradient finite. A cause found again

@@ -164,6 +164,9 @@ def _autopsy_and_headroom(history: AmpHistory) -> list[str]:
         step, reading = history.headroom[-1]
         if reading:
             parts.append(_headroom_sentence(step, reading))
+    if history.replays_stopped is not None:
+        step, why = history.replays_stopped
+        parts.append(f"no autopsy or headroom reading from step {step} on: {why}")
     return parts
 
 

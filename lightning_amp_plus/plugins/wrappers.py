@@ -1,7 +1,7 @@
 """The user's own module inside the wrappers Lightning, Fabric and torch put around it, and its parameters' names.
 
 Diagnostics name parameters as the user wrote them (``net.2.weight``), not as a wrapper prefixes them
-(``_forward_module.``, ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``).
+(``_forward_module.``, ``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from torch._dynamo.eval_frame import OptimizedModule
 from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_amp_plus.diagnostics.names import plain_name
+
 __all__ = ["unwrapped", "user_names"]
 
 
@@ -18,9 +20,10 @@ def user_names(module: nn.Module) -> list[tuple[str, Tensor]]:
     """Parameter names as the user wrote them, for diagnostics.
 
     Fabric's, DDP's and ``torch.compile``'s wrappers are looked through (their ``named_parameters()`` prefix every name
-    with ``_forward_module.``, ``module.`` or ``_orig_mod.``), and FSDP1's ``_fsdp_wrapped_module.`` is dropped.
+    with ``_forward_module.``, ``module.`` or ``_orig_mod.``), and the parts FSDP1 and activation checkpointing add
+    inside the model (``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``) are dropped, as from its state dict.
     """
-    return [(name.replace("_fsdp_wrapped_module.", ""), param) for name, param in unwrapped(module).named_parameters()]
+    return [(plain_name(name), param) for name, param in unwrapped(module).named_parameters()]
 
 
 def unwrapped(module: nn.Module) -> nn.Module:

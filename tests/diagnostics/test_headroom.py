@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 from autopsy_models import MLP, WIDTH, assert_same, batch, snapshot
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_amp_plus.diagnostics.formats import FORMATS
 from lightning_amp_plus.diagnostics.headroom import measure_headroom
-from lightning_amp_plus.diagnostics.replay import RngState
+from lightning_amp_plus.diagnostics.replay import RngState, Unreplayable
 
 FP16, BF16 = torch.float16, torch.bfloat16
 # Each format's largest value, smallest normal and smallest subnormal, from its definition (sign, exponent, mantissa).
@@ -150,6 +151,27 @@ def test_a_run_that_enters_autocast_itself_is_refused() -> None:
     before = snapshot(model)
     with pytest.raises(ValueError, match=r"autocast was on inside `run`, so the replay was not FP32"):
         measure_headroom(model, carried, scale=1.0, dtype=BF16)
+    assert_same(before, snapshot(model))
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["a-layer-before", "checkpointed-first"])
+def test_a_run_through_a_reentrant_checkpoint_is_refused_and_a_non_reentrant_one_reads_as_without(first: bool) -> None:
+    # Before: torch's error with a layer before the checkpointed blocks (torch.autograd.grad goes through them), and
+    # with none, the blocks' readings left out, their gradients read as none (the grad skips the checkpoint's node).
+    model = MLP()
+    x, y = batch(seed=3)
+
+    def run(how: str | None) -> Tensor:
+        h = x.clone().requires_grad_() if first else model.blocks[0](x)
+        for block in model.blocks[1:]:
+            h = block(h) if how is None else checkpoint(block, h, use_reentrant=how == "reentrant")
+        return F.mse_loss(model.head(h), y)
+
+    plain = measure_headroom(model, lambda: run(None), scale=2.0**16, dtype=FP16)
+    assert repr(measure_headroom(model, lambda: run("non-reentrant"), scale=2.0**16, dtype=FP16)) == repr(plain)
+    before = snapshot(model)
+    with pytest.raises(Unreplayable, match=r"checkpoint with use_reentrant=False, as torch recommends"):
+        measure_headroom(model, lambda: run("reentrant"), scale=2.0**16, dtype=FP16)
     assert_same(before, snapshot(model))
 
 
