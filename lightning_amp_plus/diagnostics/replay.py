@@ -102,10 +102,12 @@ class RngState:
 
 @contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
-    """Run the body, then put back what a replay of ``model`` may have changed.
+    """Run the body eagerly, then put back what a replay of ``model`` may have changed.
 
     That is: the RNG streams (NumPy's included), every buffer (the same tensor objects, with their values), the
-    ``training`` flags and each parameter's ``.grad`` (the same tensor, or ``None``).
+    ``training`` flags and each parameter's ``.grad`` (the same tensor, or ``None``). Eagerly: a compiled model's
+    forward runs its Python code (``torch.compiler.set_stance("force_eager")``), so that hooks see every module and no
+    graph of the training step is recompiled for a replay.
 
     Refuses to run under ``torch.inference_mode`` (a replay needs autograd).
 
@@ -130,7 +132,11 @@ def untouched(model: nn.Module) -> Iterator[None]:
     flags = [(module, module.training) for module in model.modules()]
     grads = [(param, param.grad) for param in model.parameters()]
     try:
-        yield
+        # Eagerly: in a compiled model's graph the replay's hooks would not run (dynamo does not guard on module
+        # hooks), and a replay's autocast or scale would recompile the graph the training step runs, towards dynamo's
+        # recompile limit (tests/monitor/test_monitor_compiled.py).
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         with torch.no_grad():
             for module, name, buffer, saved in buffers:
