@@ -674,3 +674,30 @@ def test_a_compiled_model_breaks_no_graph_and_still_names_where_a_non_finite_val
     assert step(x) == [] and len(fp8.finish_check().readings) == 6
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the check step's second graph, once
     assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_layers_checkpointed_by_a_wrapper_are_named_as_the_state_dict_names_them() -> None:
+    # apply_activation_checkpointing puts `_checkpoint_wrapped_module` into named_modules()' names (torch's state dict
+    # leaves it out, and so does the monitor); before, the FP8 layers, their readings and their fallbacks carried it.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    plain, checkpointed = gpt(), gpt()
+    apply_activation_checkpointing(checkpointed, check_fn=lambda module: isinstance(module, litgpt.model.Block))
+    assert any("_checkpoint_wrapped_module" in name for name, _ in checkpointed.named_modules())  # premise
+    names = {}
+    for model in (plain, checkpointed):
+        fp8 = FP8Training("tensorwise")
+        fp8.convert(model)
+        fp8.start_check()
+        loss_of(model, 0).backward()
+        readings = [(reading.layer, reading.cast) for reading in fp8.finish_check().readings]
+        fp8.fall_back(OUTLIER_LAYER)
+        fp8.convert(model)  # the layer fallen back stays in bf16
+        names[model is plain] = (list(fp8.layers), readings, fp8.fallen_back, fp8.state_dict()["fallen_back"])
+    assert names[False] == names[True]
+    assert len(names[True][0]) == LINEARS - 1 and names[True][2] == [OUTLIER_LAYER]
+    assert type(checkpointed.get_submodule("transformer.h.0._checkpoint_wrapped_module.mlp.proj")) is nn.Linear
+    saved = {**fp8.state_dict(), "fallen_back": ["transformer.h.0._checkpoint_wrapped_module.mlp.proj"]}  # as before
+    resumed = FP8Training("tensorwise")
+    resumed.load_state_dict(saved)
+    assert resumed.fallen_back == [OUTLIER_LAYER]

@@ -35,6 +35,8 @@ from typing import Any, Literal, Protocol
 
 from torch import Tensor, nn
 
+from lightning_amp_plus.diagnostics.names import plain_name
+
 __all__ = [
     "GUARD",
     "RECIPES",
@@ -94,7 +96,7 @@ def convert_layers(
         model: the model (its submodules are converted; a bare ``nn.Linear`` cannot be replaced in place: wrap it).
         config: torchao's ``Float8LinearConfig``.
         modules: ``None``, ``"auto"`` or a callable ``(module, name) -> bool`` (see the module's docstring).
-        skip: names never to convert (the layers fallen back).
+        skip: names never to convert (the layers fallen back, named as :func:`convert_in_place` names them).
 
     Returns:
         The names of the layers this call converted, in ``named_modules()`` order, each with the names of the
@@ -210,7 +212,7 @@ def _chooser(recipe: str, modules: Modules, skip: Collection[str]) -> ModuleFilt
         user = modules
 
     def chosen(module: nn.Module, name: str) -> bool:
-        return eligible(module, name) and name not in skip and (user is None or bool(user(module, name)))
+        return eligible(module, name) and plain_name(name) not in skip and (user is None or bool(user(module, name)))
 
     return chosen
 

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_amp_plus._checks import show
+from lightning_amp_plus.diagnostics.names import plain_name
 from lightning_amp_plus.weights.fp8.casts import (
     Cast,
     all_gathers_in_fp8,
@@ -257,7 +258,7 @@ class LayerGuard:
     :attr:`flag` and :attr:`counts`. A guard without ``run`` only casts and leaves inference mode.
 
     Args:
-        name: the layer's name (``named_modules()`` of the model that was converted).
+        name: the layer's name (``named_modules()`` of the model that was converted, without the wrappers' parts).
         config: torchao's ``Float8LinearConfig`` of the layer.
         added: the attribute names the conversion added to the module (removed again by a fallback).
         run: what the guards of one :class:`FP8Training` share, or ``None``.
@@ -398,7 +399,9 @@ def convert_in_place(
         run: the run whose flags and readings the layers keep (:class:`FP8Training`'s), or ``None``.
 
     Returns:
-        The layers this call converted, by name, in ``named_modules()`` order.
+        The layers this call converted, by name, in ``named_modules()`` order: the name ``named_modules()`` gives,
+        without the parts torch's wrappers add (``_checkpoint_wrapped_module``:
+        :func:`~lightning_amp_plus.diagnostics.names.plain_name`), as the model's state dict names it.
 
     Raises:
         ValueError: ``model`` is itself an eligible ``nn.Linear``.
@@ -407,8 +410,10 @@ def convert_in_place(
     layers: dict[str, nn.Linear] = {}
     for name, added in convert_layers(model, config, modules, skip).items():
         layer = model.get_submodule(name)
-        LayerGuard(name, config, added, run).attach(layer)
-        layers[name] = layer  # type: ignore[assignment]  # torchao's Float8Linear, an nn.Linear
+        # Named as the model's state dict and the monitor name it: without activation checkpointing's wrapper part.
+        user_name = plain_name(name)
+        LayerGuard(user_name, config, added, run).attach(layer)
+        layers[user_name] = layer  # type: ignore[assignment]  # torchao's Float8Linear, an nn.Linear
     return layers
 
 
@@ -730,6 +735,7 @@ class FP8Training:
                 f"2): {show(dict(state))}."
             )
         assert isinstance(fallen, list) and isinstance(steps, int)  # checked above
+        fallen = [plain_name(name) for name in fallen]  # as saved before names lost checkpointing's wrapper part
         self.rule.load_state_dict(state)
         self._steps = steps
         if version == 1:
