@@ -203,7 +203,7 @@ class Unreplayable(ValueError):
     """The gradients of a replayed loss cannot be taken without writing ``.grad`` (see :func:`gradients`)."""
 
 
-REENTRANT_CHECKPOINT = (
+_REENTRANT_CHECKPOINT = (
     "the replay's gradients (torch.autograd.grad, which writes no .grad) cannot be taken through "
     "torch.utils.checkpoint(use_reentrant=True), which computes the gradients of the layers it checkpoints only into "
     ".grad: checkpoint with use_reentrant=False, as torch recommends (the same gradients; transformers: "
@@ -225,7 +225,7 @@ def gradients(loss: Tensor, params: Sequence[Tensor]) -> tuple[Tensor | None, ..
         ((tensor([3., 3.]),), None)
     """
     if _through_reentrant_checkpoint(loss):
-        raise Unreplayable(REENTRANT_CHECKPOINT)
+        raise Unreplayable(_REENTRANT_CHECKPOINT)
     return torch.autograd.grad(loss, list(params), allow_unused=True)
 
 

@@ -88,7 +88,8 @@ class Examiner:
                 self.headroom = replay.headroom(rng, steps[-1].scale or 1.0)
                 history.headroom.append((count - 1, self.headroom))
         except Unreplayable as refused:
-            # A diagnostic never ends the run it watches: said once, in the summary too, and no replay is tried again.
+            # A model a replay cannot take gradients of does not end the run: said once, in the summary too, and no
+            # replay is tried again.
             self._stopped = str(refused)
             if self.autopsy:  # else the summary keeps saying that the autopsy is off
                 history.unexamined = f"the monitor's replays stopped at step {count - 1}: {refused}"
