@@ -113,18 +113,26 @@ def batches() -> list[tuple[Tensor, Tensor]]:
     return list(zip(x.split(8), y.split(8), strict=True))
 
 
-def trainer_fit(module: Checkpointed, monitor: MixedPrecisionMonitor | None) -> MixedPrecisionPlugin:
+def trainer_fit(
+    module: Checkpointed, monitor: MixedPrecisionMonitor | None, trained: nn.Module | None = None
+) -> MixedPrecisionPlugin:
+    """A Trainer fit of ``module`` (given as ``trained``: e.g. ``torch.compile(module)``)."""
     plugin = MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
     x, y = batch(seed=3, n=8 * STEPS)
     loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    make_trainer(plugin, max_steps=STEPS, callbacks=[] if monitor is None else [monitor]).fit(module, loader)
+    trainer = make_trainer(plugin, max_steps=STEPS, callbacks=[] if monitor is None else [monitor])
+    trainer.fit(module if trained is None else trained, loader)  # type: ignore[arg-type]  # a compiled LightningModule
     return plugin
 
 
-def fabric_fit(module: Checkpointed, monitor: MixedPrecisionMonitor | None) -> amp_fabric.MixedPrecisionPlugin:
+def fabric_fit(
+    module: Checkpointed, monitor: MixedPrecisionMonitor | None, trained: nn.Module | None = None
+) -> amp_fabric.MixedPrecisionPlugin:
+    """A Fabric loop over ``module`` (set up as ``trained``: e.g. ``torch.compile(module)``), ``monitor`` observing."""
     plugin = amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    model, optimizer = fabric.setup(module, torch.optim.Adam(module.parameters(), lr=1e-3))
+    net = module if trained is None else trained
+    model, optimizer = fabric.setup(net, torch.optim.Adam(module.parameters(), lr=1e-3))
     for i, (x, y) in enumerate(batches()):
         if monitor is not None:
             monitor.batch_start()

@@ -15,16 +15,14 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import lightning as L
 import pytest
+import test_monitor_checkpointing as checkpointing
 import torch
-from helpers import FP16_ON_CPU_WARNING, make_trainer, parameters_of
-from test_monitor_checkpointing import STEPS, Checkpointed, _loss, batches, seen
+from helpers import FP16_ON_CPU_WARNING, parameters_of
+from test_monitor_checkpointing import Checkpointed, seen
 from torch._dynamo.utils import counters
-from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_amp_plus import DynamicLossScaler, MixedPrecisionMonitor, MixedPrecisionPlugin
-from lightning_amp_plus import fabric as amp_fabric
+from lightning_amp_plus import MixedPrecisionMonitor
 
 pytestmark = [
     pytest.mark.filterwarnings(FP16_ON_CPU_WARNING),
@@ -37,31 +35,19 @@ pytestmark = [
 def trainer_fit(
     compiled: bool, fault: str, monitor: MixedPrecisionMonitor | None, forward: bool = False
 ) -> Checkpointed:
+    """``trainer.fit(torch.compile(module))``, or with ``forward`` the module's ``forward`` compiled alone."""
     module = Checkpointed(None, fault)
     if compiled and forward:
         module.forward = torch.compile(module.forward, backend="aot_eager")  # type: ignore[method-assign]
-        compiled = False
-    plugin = MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
-    x, y = (torch.cat(parts) for parts in zip(*batches(), strict=True))
-    trainer = make_trainer(plugin, max_steps=STEPS, callbacks=[] if monitor is None else [monitor])
-    trainer.fit(torch.compile(module, backend="aot_eager") if compiled else module, DataLoader(TensorDataset(x, y), 8))
+    trained = torch.compile(module, backend="aot_eager") if compiled and not forward else None
+    checkpointing.trainer_fit(module, monitor, trained)
     return module
 
 
 def fabric_loop(compiled: bool, fault: str, monitor: MixedPrecisionMonitor | None) -> Checkpointed:
+    """``fabric.setup(torch.compile(model))``."""
     module = Checkpointed(None, fault)
-    plugin = amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu", DynamicLossScaler(init_scale=2.0**10))
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    net = torch.compile(module, backend="aot_eager") if compiled else module
-    model, optimizer = fabric.setup(net, torch.optim.Adam(module.parameters(), lr=1e-3))
-    for i, (x, y) in enumerate(batches()):
-        if monitor is not None:
-            monitor.batch_start()
-        fabric.backward(_loss(model, x, y, i))
-        optimizer.step()
-        optimizer.zero_grad()
-        if monitor is not None:
-            monitor.observe(plugin, model=model, replay=lambda x=x, y=y, i=i: _loss(model, x, y, i))
+    checkpointing.fabric_fit(module, monitor, torch.compile(module, backend="aot_eager") if compiled else None)
     return module
 
 
