@@ -37,9 +37,10 @@ class Examiner:
         autopsy_limit: the most autopsies a run makes (a routine one of the first descent is not counted).
         headroom_interval: read headroom every this many optimizer steps (0: never).
 
-    State: the autopsies kept and the count made, the latest headroom reading and whether it was logged, the
-    random state of the batch in flight (captured at its start), and why replays stopped (a model whose gradients a
-    replay cannot take: :class:`~lightning_amp_plus.diagnostics.replay.Unreplayable`; the run goes on without them).
+    State: the autopsies kept and the count made, the latest headroom reading and whether it was logged, and the
+    random state of the batch in flight (captured at its start). Replays stop for the run once one meets a model whose
+    gradients it cannot take (:class:`~lightning_amp_plus.diagnostics.replay.Unreplayable`): the run's history says so
+    (``AmpHistory.replays_stopped``), and the run goes on without them.
     """
 
     def __init__(self, autopsy: bool, autopsy_limit: int, headroom_interval: int) -> None:
@@ -49,7 +50,6 @@ class Examiner:
         self._made = 0
         self._logged: dict[str, LayerHeadroom] | None = None
         self._rng: RngState | None = None
-        self._stopped: str | None = None
 
     @property
     def active(self) -> bool:
@@ -59,7 +59,6 @@ class Examiner:
     def reset(self) -> None:
         """A new run."""
         self.autopsies, self.headroom, self._made, self._logged, self._rng = [], {}, 0, None, None
-        self._stopped = None
 
     def batch_start(self) -> None:
         """Snapshot the random state a replay of this batch needs (about 2 us)."""
@@ -77,7 +76,7 @@ class Examiner:
                     "batch's forward, for its random state"
                 )
             return
-        if self._stopped is not None:
+        if history.replays_stopped is not None:
             return  # history.unexamined says why
         try:
             if skipped is not None and self.autopsy and self._made < self.autopsy_limit:
@@ -90,10 +89,9 @@ class Examiner:
         except Unreplayable as refused:
             # A model a replay cannot take gradients of does not end the run: said once, in the summary too, and no
             # replay is tried again.
-            self._stopped = str(refused)
             if self.autopsy:  # else the summary keeps saying that the autopsy is off
                 history.unexamined = f"the monitor's replays stopped at step {count - 1}: {refused}"
-            history.replays_stopped = (count - 1, self._stopped)
+            history.replays_stopped = (count - 1, str(refused))
             rank_zero_warn(
                 f"MixedPrecisionMonitor: no autopsy or headroom reading from step {count - 1} on: {refused}.",
                 category=RuntimeWarning,
