@@ -133,6 +133,18 @@ def test_a_nan_in_an_fp8_layer_is_skipped_and_the_run_equals_the_run_without_tha
     assert_same_parameters(ours, reference, "after the skipped step")
 
 
+def test_a_nan_at_the_first_step_of_a_run_resumed_between_checks_names_its_layer_first() -> None:
+    # The layers' places in the forward order are stamped on the check steps and on the first step after the
+    # conversion, which here is not a check step (a run resumed at step 3, readings every 2): that step stamps alone.
+    plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed", fp8_check_interval=2)
+    plugin.fp8.load_state_dict({**plugin.fp8.state_dict(), "steps": 3})
+    fabric_train(plugin, [FAULT_STEP], faulty=(FAULT_STEP,))
+    assert plugin.skipped_steps == 1 and not plugin.fp8.checks  # premise: a skip, on no check step
+    layers = plugin.fp8.nonfinite_layers()
+    assert sorted(layers)[0] == "lm_head" and set(layers) == set(plugin.fp8.layers)  # premise: not the name order
+    assert layers[0] == LAYER and layers.index("transformer.h.1.attn.qkv") < layers.index("lm_head")
+
+
 def test_a_fused_optimizers_skip_keeps_the_flags_until_they_are_asked_for() -> None:
     # The fused path decides the skip on the device: the flags are kept without reading it, and named when asked.
     plugin = amp_fabric.MixedPrecisionPlugin("fp8-mixed")

@@ -14,6 +14,7 @@ import io
 import sys
 import warnings
 from typing import Any
+from unittest import mock
 
 import processes
 import pytest
@@ -113,12 +114,16 @@ def test_rowwise_with_gw_hp_fails_on_cpu_under_torchao_alone_and_trains_here() -
 
 def test_the_inputs_are_left_as_torchao_leaves_them_on_cpu_for_the_recipes_it_runs() -> None:
     seen: dict[str, torch.dtype] = {}
+    torchaos = Float8Linear.forward
     for recipe in RECIPES:
         model = nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32))  # LayerNorm's output stays FP32 under autocast
         FP8Training(recipe).convert(model)
-        # A hook registered after the conversion's sees the input as torchao's casts will read it.
-        model[1].register_forward_pre_hook(lambda _m, args, recipe=recipe: seen.__setitem__(recipe, args[0].dtype))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+
+        def spy(layer: nn.Module, value: Tensor, recipe: str = recipe) -> Tensor:
+            seen[recipe] = value.dtype  # the input as torchao's casts read it
+            return torchaos(layer, value)
+
+        with mock.patch.object(Float8Linear, "forward", spy), torch.autocast("cpu", dtype=torch.bfloat16):
             model(torch.randn(4, 32))
     assert seen == {"tensorwise": torch.float32, "rowwise": torch.float32, "rowwise_with_gw_hp": torch.bfloat16}
 
@@ -158,6 +163,24 @@ def test_hooks_buffers_attributes_and_mode_of_a_linear_are_carried_over() -> Non
     handle.remove()  # a handle taken before the conversion still removes its hook
     model(torch.randn(2, 16))
     assert calls[-2:] == ["backward", "pre"]
+
+
+def test_a_deep_copy_of_a_converted_model_runs_its_own_layers() -> None:
+    # A converted layer's forward is a method of its guard, which holds the layer: a copy (torch's AveragedModel, an EMA
+    # callback's) must run its own layers on its own weights, not the original's.
+    model = gpt()
+    FP8Training().convert(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in twin.parameters():
+            parameter.mul_(0.5)
+    expected = gpt()
+    with torch.no_grad():
+        for parameter in expected.parameters():
+            parameter.mul_(0.5)
+    FP8Training().convert(expected)
+    assert torch.equal(loss_of(twin, 0), loss_of(expected, 0))
+    assert not torch.equal(loss_of(twin, 0), loss_of(model, 0))  # premise: the halved weights change the loss
 
 
 def test_a_second_conversion_is_a_no_op_and_a_fallen_back_layer_stays_plain() -> None:
@@ -399,12 +422,16 @@ def test_no_reading_outside_check_steps_and_no_hook_added_or_removed_for_one() -
     model = gpt()
     fp8 = FP8Training(fallback=None)
     fp8.convert(model)
-    hooks = {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in fp8.layers.items()}
+
+    def hooks() -> dict[str, tuple[int, Any]]:
+        return {name: (len(m._forward_pre_hooks) + len(m._forward_hooks), m.forward) for name, m in fp8.layers.items()}
+
+    before = hooks()
     fp8.start_check()
     assert fp8.armed
     loss_of(model, 0).backward()
     assert len(fp8.finish_check().readings) == 3 * LINEARS
-    assert {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in fp8.layers.items()} == hooks
+    assert hooks() == before
     loss_of(model, 1).backward()  # not a check step
     assert fp8.finish_check().readings == []
 
@@ -474,6 +501,27 @@ def test_a_non_finite_weight_is_named() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------- fallback
+def test_a_forward_the_module_object_carried_is_given_back_by_a_fallback() -> None:
+    # A converted layer's forward is an attribute of its module object; one the object carried before (a library may
+    # set its own) gives way to torchao's while the layer is in FP8, and comes back with a fallback.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    calls: list[str] = []
+    plain = model[0].forward
+
+    def own(x: Tensor) -> Tensor:
+        calls.append("own")
+        return plain(x)
+
+    model[0].forward = own
+    fp8 = FP8Training(fallback=None)
+    fp8.convert(model)
+    model(torch.randn(2, 16))
+    assert calls == [] and model[0].forward != own
+    fp8.fall_back("0")
+    model(torch.randn(2, 16))
+    assert calls == ["own"] and model[0].forward is own
+
+
 def test_a_fallen_back_layer_continues_bit_for_bit_as_one_never_converted() -> None:
     model = gpt()
     fp8 = FP8Training(fallback=None)
@@ -672,7 +720,8 @@ def test_a_compiled_model_breaks_no_graph_and_still_names_where_a_non_finite_val
     poison.factor.fill_(1.0)
     fp8.start_check()
     assert step(x) == [] and len(fp8.finish_check().readings) == 6
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2  # the check step's second graph, once
+    # The first step's (its layers stamp their place in the forward order), the ordinary steps', the check step's.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 3
     assert not torch._dynamo.utils.counters["graph_break"]
 
 

@@ -3,7 +3,7 @@
 torch and torchao only (torchao is imported when a model is converted, never when this package is imported):
 
 * :mod:`~lightning_amp_plus.weights.fp8.training`: :class:`FP8Training`, all of it for one run, and everything a
-  training step runs beyond bf16-mixed: the hooks a converted layer gains (input cast off CUDA, evaluation under
+  training step runs beyond bf16-mixed: the forward a converted layer gains (input cast off CUDA, evaluation under
   inference mode, non-finite flags, readings on check steps);
 * :mod:`~lightning_amp_plus.weights.fp8.options`: the options, checked;
 * :mod:`~lightning_amp_plus.weights.fp8.convert`: eligibility, conversion in place, fallback to a never-converted layer;

@@ -23,7 +23,7 @@ Parameters, so the optimizer's state for them carries on: a plain ``nn.Linear``,
 for a subclass of its own (FSDP2's ``fully_shard`` makes it ``FSDPFloat8Linear``), the class that wrapper gives an
 ``nn.Linear`` (``FSDPLinear``: still an ``FSDPModule``, whose gradients FSDP2 reduce-scatters).
 
-The hooks a converted layer gains (:class:`~lightning_amp_plus.weights.fp8.training.LayerGuard`) are attached by
+The forward a converted layer gains (:class:`~lightning_amp_plus.weights.fp8.training.LayerGuard`) is attached by
 :func:`~lightning_amp_plus.weights.fp8.training.convert_in_place`, which converts with :func:`convert_layers`.
 """
 
@@ -64,12 +64,12 @@ GUARD = "_fp8_guard"
 
 
 class Guard(Protocol):
-    """What a converted layer carries under :data:`GUARD`: its hooks and the attributes the conversion added."""
+    """What a converted layer carries under :data:`GUARD`: its forward and the attributes the conversion added."""
 
     added: tuple[str, ...]
 
     def detach(self) -> None:
-        """Remove the hooks."""
+        """Give the layer its forward back."""
 
 
 def eligible(module: nn.Module, name: str = "") -> bool:
@@ -133,7 +133,7 @@ def convert_layers(
 def fall_back(layer: nn.Module) -> None:
     """Make a layer converted here what it would be had it never been converted, over the same Parameters.
 
-    Its hooks and the attributes torchao added go, and its class becomes ``nn.Linear``, or the class a wrapper that
+    Its forward and the attributes torchao added go, and its class becomes ``nn.Linear``, or the class a wrapper that
     swapped the layer's class gives an ``nn.Linear`` (FSDP2's ``fully_shard``: ``FSDPLinear``, see
     :func:`_class_without_fp8`).
 
@@ -198,7 +198,7 @@ def converted(layer: nn.Module) -> bool:
 
 
 def guard_of(layer: nn.Module) -> Guard | None:
-    """The hooks the conversion attached to ``layer``, or ``None``."""
+    """The guard the conversion attached to ``layer`` (its forward), or ``None``."""
     return layer.__dict__.get(GUARD)
 
 

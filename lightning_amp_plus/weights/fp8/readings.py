@@ -5,7 +5,7 @@ Shares of the cast's target float8 format, under the scale the recipe computes. 
 the scale for everything it shares a scale with: a token 10,000 times larger than the rest pushes the other values of
 a tensorwise cast below e4m3's smallest subnormal (2**-9), where they become zero, or into its subnormals (below
 2**-6), where they keep 1-3 significant bits. :func:`count_rows` measures exactly that, with torchao's scale
-functions (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only: the layer's hooks
+functions (:func:`~lightning_amp_plus.weights.fp8.casts.cast_counts`), on check steps only: the layer's forward
 (:class:`~lightning_amp_plus.weights.fp8.training.LayerGuard`) count its input and weight casts in forward and its
 output-gradient casts in backward, on the device; :func:`readings_of` reads every count at once (one host sync).
 """

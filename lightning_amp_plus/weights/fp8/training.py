@@ -11,18 +11,20 @@ calls :meth:`~FP8Training.convert` once before building the optimizer, then eith
   :meth:`~FP8Training.finish_check` after its optimizer step, :meth:`~FP8Training.nonfinite_layers` when a step was
   skipped, and :meth:`~FP8Training.end_step` after every step.
 
-**What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the two hooks
-of each converted layer (:class:`LayerGuard`), one identity autograd function applied around it (:class:`_Flags`, on its
-input and on its output), and the two calls around the step. The non-finite flags come from values the casts produce
-(the first column of the layer's output in forward; the first column of the gradient it hands to its input in backward:
-see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each becomes the gradient of a small
-leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check step the same hooks count the
-casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way: no hook is added or removed, one
-switch is turned.
+**What a step runs.** Everything a training step of an FP8 model runs beyond bf16-mixed is in this module: the forward
+of each converted layer (:meth:`LayerGuard.forward`, around torchao's), one identity autograd function applied around
+it (:class:`_Flags`, on its input and on its output), and the two calls around the step. The non-finite flags come
+from values the casts produce (the first column of the layer's output in forward; the first column of the gradient it
+hands to its input in backward: see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`) and travel with autograd: each
+becomes the gradient of a small leaf tensor of the layer's own, which autograd adds up over micro-batches. On a check
+step the same forward counts the casts too (:mod:`~lightning_amp_plus.weights.fp8.readings`), carried the same way,
+and stamps each layer's place in the forward order on the device (so does the first step after a conversion): no hook
+is added or removed, a switch is turned.
 
-**Under torch.compile** all of it compiles into the graph without a break: a hook reads tensors (graph inputs it does
-not write), one switch (``reading``: a check step compiles a second graph, once) and each layer's position in the
-forward order, noted when dynamo traces the forward (:func:`_note_position`). Nothing else recompiles.
+**Under torch.compile** all of it compiles into the graph without a break, and nothing in it is particular to a layer
+but tensors: blocks compiled one by one share their graphs. Two switches decide the graph: ``reading`` (a check step
+compiles a second graph, once) and ``ordering`` (the first step after a conversion stamps; where that is not a check
+step, one graph more, once). Nothing else recompiles.
 """
 
 from __future__ import annotations
@@ -30,13 +32,11 @@ from __future__ import annotations
 import warnings
 from collections import deque
 from collections.abc import Callable, Collection, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from lightning_amp_plus._checks import show
 from lightning_amp_plus.diagnostics.names import plain_name
@@ -124,7 +124,7 @@ class Outcome(Protocol):
         """Whether the step was skipped because its gradients held inf/NaN."""
 
 
-# ----------------------------------------------------------------------------------------------- one layer's hooks
+# ------------------------------------------------------------------------------------------- one layer's forward
 def input_as_cast(value: Any, every_device: bool) -> Any:
     """``value`` as the FP8 layer's casts take it.
 
@@ -153,14 +153,18 @@ class _Run:
     """What the guards of one :class:`FP8Training` share.
 
     Attributes:
-        reading: whether the casts are read (a check step): the one switch a compiled graph depends on.
-        positions: the next position in the forward order.
+        reading: whether the casts are read (a check step): a switch a compiled graph depends on.
+        ordering: whether the layers stamp their place in the forward order: from a conversion to the end of the next
+            step. The other switch: a check step stamps too, so it adds a compiled graph only where the first step
+            after a conversion is not a check step (a resumed run's, a loop's own).
+        clock: 0-d int64 on the layers' device: the layers stamped so far (the next position).
         device: where the guards' tensors were placed last (``None``: to be placed before the next forward).
     """
 
     def __init__(self) -> None:
         self.reading = False
-        self.positions = 0
+        self.ordering = False
+        self.clock = torch.zeros((), dtype=torch.int64)
         self.device: torch.device | None = None
 
 
@@ -229,33 +233,24 @@ class _Flags(torch.autograd.Function):
         return grad, flag, None, seen, counts, None, None
 
 
-def _note_position(guard: LayerGuard) -> bool:
-    """Give ``guard`` the next position in the forward order, once."""
-    run = guard.run
-    if guard.position < 0 and run is not None:
-        guard.position = run.positions
-        run.positions += 1
-    return True
-
-
-# torch.compile runs a function marked so when dynamo traces the forward (in the forward's order) and puts its
-# constant result in the graph: the position is noted without a side effect to replay or a guard on it, which a plain
-# attribute write would bring (a recompile per step). tests/plugins/test_fp8_compile.py counts the graphs.
-_note_position_once: Callable[[LayerGuard], bool] = torch.compiler.assume_constant_result(  # type: ignore[no-untyped-call]
-    _note_position
-)
-
-
 class LayerGuard:
-    """The hooks of one converted layer, and its flags and counts on the device.
+    """The forward of one converted layer, and its flags, counts and place in the forward order on the device.
 
-    The forward pre-hook leaves inference mode where it is on (torchao's float8 tensor cannot run under it: the forward
-    runs as under ``torch.no_grad()``, the same numbers), casts the input as torchao does under CUDA autocast for a
-    recipe with a high-precision GEMM (:func:`input_as_cast`), and wraps a training input in :class:`_Flags`. The
-    forward hook flags the output's first column (see :mod:`~lightning_amp_plus.weights.fp8.nonfinite`), on check steps
-    counts the input and weight casts, and wraps the output in :class:`_Flags`, which hands both to backward. An output
-    that needs no gradient (a frozen layer on a frozen input) has no backward: its flag and counts are added in place to
-    :attr:`flag` and :attr:`counts`. A guard without ``run`` only casts and leaves inference mode.
+    :meth:`forward` becomes the layer's own (an attribute of the module object, which ``nn.Module.__call__`` runs
+    between the layer's hooks, over torchao's ``Float8Linear.forward``). It leaves inference mode where it is on
+    (torchao's float8 tensor cannot run under it: the forward runs as under ``torch.no_grad()``, the same numbers),
+    casts the input as torchao does under CUDA autocast for a recipe with a high-precision GEMM (:func:`input_as_cast`),
+    and wraps a training input in :class:`_Flags`; after torchao's forward it flags the output's first column (see
+    :mod:`~lightning_amp_plus.weights.fp8.nonfinite`), on check steps counts the input and weight casts, and wraps the
+    output in :class:`_Flags`, which hands both to backward. An output that needs no gradient (a frozen layer on a
+    frozen input) has no backward: its flag and counts are added in place to :attr:`flag` and :attr:`counts`. While the
+    run is ordering or reading, the layer's first forward stamps the run's clock into :attr:`stamp`. A guard without
+    ``run`` only casts and leaves inference mode.
+
+    One method, not a pre-hook and a forward hook: the inference-mode exit is a ``with`` block (a hook pair needs a
+    forward hook that runs even when the forward raises, which dynamo guards on per layer), and nothing in it is
+    particular to the layer but tensors, so the blocks of a model compiled one by one share their graphs
+    (tests/plugins/test_fp8_compile.py, block by block).
 
     Args:
         name: the layer's name (``named_modules()`` of the model that was converted, without the wrappers' parts).
@@ -269,7 +264,8 @@ class LayerGuard:
         backward_sink: 0-d FP32 leaf; its gradient is NaN once the backward casts met one.
         counts: the forward casts' counts on check steps (forwards without backward: their rows of :attr:`casts`).
         count_sink: a leaf whose gradient holds the counts of every cast of :attr:`casts` on check steps.
-        position: the layer's place in the forward order (-1 before its first forward).
+        stamp: 0-d int64, the run's clock at the layer's first forward while stamping (-1 before).
+        position: :attr:`stamp` as the host last read it (-1: not known yet).
     """
 
     def __init__(self, name: str, config: Float8Config, added: tuple[str, ...], run: _Run | None) -> None:
@@ -284,28 +280,34 @@ class LayerGuard:
         )
         self.forward_casts = sum(cast.operand != "grad_output" for cast in casts)
         self.position = -1
-        self.handles: list[RemovableHandle] = []
-        # One entry per call, popped by `after` (which runs even when the forward raises): calls may nest.
-        self._open: list[ExitStack | None] = []
+        self.stamp = torch.full((), -1, dtype=torch.int64)
+        self.layer: nn.Module | None = None
+        self._own_forward: Any = None  # a forward the module object carried before (given back by detach)
         self.flag = self.forward_sink = self.backward_sink = self.counts = self.count_sink = torch.empty(0)
 
     def attach(self, layer: nn.Module) -> None:
-        """Register the hooks on ``layer`` and place the tensors on its weight's device."""
+        """Make :meth:`forward` ``layer``'s forward and place the tensors on its weight's device."""
         layer.__dict__[GUARD] = self
+        self.layer = layer
+        self._own_forward = layer.__dict__.get("forward")
         self.place(layer.get_parameter("weight").device)
-        self.handles = [
-            layer.register_forward_pre_hook(self.before, with_kwargs=True),
-            layer.register_forward_hook(self.after, with_kwargs=True, always_call=True),
-        ]
+        # An attribute of the module object shadows its class's forward (nn.Module.__call__ looks it up on the object):
+        # the layer keeps torchao's class, and blocks compiled one by one share their graphs, which a pre-hook and an
+        # always-called forward hook prevented (tests/plugins/test_fp8_compile.py, block by block). A deep copy of the
+        # model copies the guard with its layer (tests/weights/test_fp8.py, test_a_deep_copy_...).
+        layer.__dict__["forward"] = self.forward
 
     def detach(self) -> None:
-        """Remove the hooks."""
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        """Give the layer its forward back: its class's, or the one its module object carried before."""
+        if self.layer is not None:
+            self.layer.__dict__.pop("forward", None)
+            if self._own_forward is not None:
+                self.layer.__dict__["forward"] = self._own_forward
+            self.layer = None
+            self._own_forward = None
 
     def place(self, device: torch.device) -> None:
-        """(Re)make the flags and counts on ``device`` (zero), unless they are there."""
+        """(Re)make the flags and counts on ``device`` (zero) and move the stamp there, unless they are there."""
         if self.flag.device == device and self.flag.ndim == 0:
             return
         self.flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -313,48 +315,38 @@ class LayerGuard:
         self.backward_sink = torch.zeros((), dtype=torch.float32, device=device, requires_grad=True)
         self.counts = torch.zeros(self.forward_casts, COLUMNS, dtype=torch.float64, device=device)
         self.count_sink = torch.zeros(len(self.casts), COLUMNS, dtype=torch.float64, device=device, requires_grad=True)
+        self.stamp = self.stamp.to(device)
 
-    def before(self, _layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The forward pre-hook: leave inference mode if on, note the layer's position, cast and wrap the input."""
-        compiling = torch.compiler.is_compiling()
-        region = None
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer's forward: torchao's, its input and output flagged (and counted on check steps) on the way."""
         # torch.compile cannot trace the inference-mode test (a graph break per layer), and needs no help there: a
         # compiled FP8 model runs under inference mode as it is.
-        if not compiling:
-            if torch.is_inference_mode_enabled():
-                region = ExitStack()
-                region.enter_context(torch.inference_mode(False))
-                region.enter_context(torch.no_grad())
-            self._open.append(region)
-        if self.run is not None and (compiling or self.position < 0):
-            _note_position_once(self)
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return self.forward(*args, **kwargs)
+        layer, run = self.layer, self.run
+        assert layer is not None  # attached: the method is the layer's forward only while attached
         given = args[0] if args else kwargs.get("input")
+        if run is not None and isinstance(given, Tensor):
+            if self.flag.device != given.device:
+                # Moved since the conversion (a plugin's step has them placed beforehand); the clock goes along.
+                self.place(given.device)
+                run.clock = run.clock.to(given.device)
+            if run.reading or run.ordering:
+                self._stamp(run)
         value = input_as_cast(given, every_device=True) if self.cast_every_device else given
-        if self.run is not None and isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled():
+        if run is not None and isinstance(value, Tensor) and value.requires_grad and torch.is_grad_enabled():
             value = _Flags.apply(value, None, None, self.backward_sink)
-        if value is given:
-            return None
-        return ((value, *args[1:]), kwargs) if args else (args, {**kwargs, "input": value})
-
-    def after(self, layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-        """The forward hook (also when the forward raised): restore inference mode, or mark and read the output."""
-        if not torch.compiler.is_compiling():
-            region = self._open.pop() if self._open else None
-            if region is not None:
-                region.close()
-                return None
-        run = self.run
+        if value is not given:
+            args, kwargs = ((value, *args[1:]), kwargs) if args else (args, {**kwargs, "input": value})
+        output = type(layer).forward(layer, *args, **kwargs)
         if run is None or not isinstance(output, Tensor) or not torch.is_grad_enabled() or not output.numel():
-            return None
-        if self.flag.device != output.device:
-            self.place(output.device)  # moved since the conversion (a compiled step has them placed beforehand)
+            return output
         flag = nonfinite_flag(output[..., :1].detach())
-        given = args[0] if args else kwargs.get("input")
-        counts = self._count(layer, given) if run.reading else None
+        counts = self._count(layer, value) if run.reading else None
         if output.requires_grad:
-            # The pre-hook probed an input that needs a gradient; for another, the output's gradient is read whole.
-            probed = isinstance(given, Tensor) and given.requires_grad
-            unprobed = None if probed else self.backward_sink
+            # An input that needs a gradient was probed above; for another, the output's gradient is read whole.
+            unprobed = None if isinstance(value, Tensor) and value.requires_grad else self.backward_sink
             if counts is None:
                 carried: Tensor = _Flags.apply(output, self.forward_sink, flag, unprobed)
             else:
@@ -364,7 +356,18 @@ class LayerGuard:
         self.flag.add_(flag)  # NaN once anything non-finite was seen, until the step's end
         if counts is not None:
             self.counts.add_(counts)
-        return None
+        return output
+
+    def _stamp(self, run: _Run) -> None:
+        """At the layer's first stamped forward: the run's clock into :attr:`stamp`, and the clock moved on.
+
+        On the device and without a branch on a value: torch.compile puts it in the graph as two in-place writes,
+        where a position noted on the host while dynamo traced the layer would tie the graph to the layer.
+        """
+        with torch.no_grad():
+            new = self.stamp < 0
+            self.stamp.copy_(torch.where(new, run.clock.to(self.stamp.device), self.stamp))
+            run.clock.add_(new.to(run.clock.device, torch.int64))
 
     def _count(self, layer: nn.Module, value: Any) -> Tensor:
         """On a check step: the input and weight casts' counts (one row per forward cast of :attr:`casts`)."""
@@ -510,6 +513,7 @@ class FP8Training:
         self._layers.update(now)
         self._guards.update({name: layer.__dict__[GUARD] for name, layer in now.items()})
         self._run.device = None  # placed before the next forward, where the model will be by then
+        self._run.ordering = self._run.ordering or len(self._guards) > before  # the new layers stamp their places
         warn_what_stays_in_bf16(now, before, model, self.modules)
         return list(now)
 
@@ -527,6 +531,8 @@ class FP8Training:
     ) -> FP8Check:
         """Read the check step's casts (one host sync), apply the fallback rule, and fall back the layers it names.
 
+        The layers' places in the forward order not known yet are read first (one more host read, while any is).
+
         With ``fallback=None``, a layer the rule names (more than 1% flushed at two readings in a row) is warned about
         instead, once.
 
@@ -536,6 +542,7 @@ class FP8Training:
             warn: says that a layer fell back (default: a ``UserWarning``; a plugin passes rank zero's warning).
         """
         self._run.reading = False
+        self._note_positions()
         readings = self._take_readings(reduce)
         due = self.rule.update(readings)
         worst = worst_flush(readings)
@@ -577,8 +584,18 @@ class FP8Training:
         torch._foreach_zero_([*(guard.counts for guard in guards), *grads])
         return readings_of(keys, counts, reduce)
 
+    def _note_positions(self) -> None:
+        """Read the stamps of the layers whose place is not known yet (one host read, if any)."""
+        unknown = [guard for guard in self._guards.values() if guard.position < 0]
+        if not unknown:
+            return
+        device = unknown[0].stamp.device
+        stamps = torch.stack([guard.stamp.to(device) for guard in unknown]).tolist()
+        for guard, stamp in zip(unknown, stamps, strict=True):
+            guard.position = stamp
+
     def _in_forward_order(self) -> list[LayerGuard]:
-        """The FP8 layers' guards, those that ran in the order they first ran, then the others by name."""
+        """The FP8 layers' guards, those stamped in the order they first ran, then the others by name."""
         guards = list(self._guards.values())
         ran = sorted((guard for guard in guards if guard.position >= 0), key=lambda guard: guard.position)
         return ran + sorted((guard for guard in guards if guard.position < 0), key=lambda guard: guard.name)
@@ -599,6 +616,8 @@ class FP8Training:
         for name, guard in self._guards.items():
             guard.place(self._layers[name].weight.device)
             self._run.device = guard.flag.device
+        if self._run.device is not None:
+            self._run.clock = self._run.clock.to(self._run.device)
 
     def after_step(
         self,
@@ -610,7 +629,9 @@ class FP8Training:
         """After each optimizer step, skipped or not: the check's readings, the non-finite flags kept, the step counted.
 
         1. If the readings are armed (a check step, or :meth:`start_check` called by someone), they are read and the
-           fallback rule applied (:meth:`finish_check`); the result is returned and kept in :attr:`checks`.
+           fallback rule applied (:meth:`finish_check`); the result is returned and kept in :attr:`checks`. Else, at
+           the first step after a conversion, the layers' places in the forward order it stamped are read (one host
+           read, once).
         2. If the step was skipped (``outcome.skipped``), its flags are kept for :meth:`nonfinite_layers`, which reads
            them from the device only when asked, for the steps skipped for non-finite gradients
            (``outcome.overflowed``). Where the skip is still on the device (a fused optimizer's pending step:
@@ -631,6 +652,8 @@ class FP8Training:
             found = self.finish_check(reduce, warn)
             check = FP8Check(found.readings, found.fell_back, self._steps)
             self.checks.append(check)
+        if self._run.ordering:
+            self._note_positions()  # the first step after a conversion, if not a check step: once
         if outcome is not None and (not outcome.resolved or outcome.skipped):
             # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
             # over every weight at every step would cost more than the step's flags). A spike the guard skipped is
@@ -650,9 +673,10 @@ class FP8Training:
         """The FP8 layers whose casts met a NaN or inf, the origin first.
 
         Those of the step under way (since the last :meth:`end_step`) if any; else those of the last step
-        :meth:`after_step` saw skipped for non-finite gradients (``[]`` if none). One host sync: read it when a step
-        is known to be skipped.
+        :meth:`after_step` saw skipped for non-finite gradients (``[]`` if none). One host sync (one more while a
+        layer's place in the forward order is not known): read it when a step is known to be skipped.
         """
+        self._note_positions()
         current = self._snapshot(with_weights=True)()
         if current:
             return current
@@ -680,12 +704,16 @@ class FP8Training:
         backward = [
             (guard.name, guard.backward_sink.detach() if guard.backward_sink.grad is None else guard.backward_sink.grad)
             for guard in reversed(guards)
-            if guard.position >= 0
         ]
         return snapshot(forward, backward, reduce)
 
     def end_step(self) -> None:
-        """Clear the non-finite flags (no sync): after every optimizer step, skipped or not."""
+        """Clear the non-finite flags (no sync): after every optimizer step, skipped or not.
+
+        The first step after a conversion ends its stamping of the forward order here too (the stamps stay on the
+        device until read).
+        """
+        self._run.ordering = False
         flags = [guard.flag for guard in self._guards.values()]
         for guard in self._guards.values():
             flags += [sink.grad for sink in (guard.forward_sink, guard.backward_sink) if sink.grad is not None]
