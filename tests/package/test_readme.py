@@ -56,7 +56,7 @@ def test_the_readme_gives_two_commands_and_a_one_line_cpu_only_variant_of_each()
     blocks = [commands(block) for block in fenced_blocks(README, "bash")]
     main, cpu_only = blocks[0], blocks[1]
     assert len(main) == 2 and len(cpu_only) == 2  # install and run; install and test
-    assert main[0].endswith(".venv/bin/amp-plus train cnn") and main[1].endswith(".venv/bin/python -m pytest")
+    assert main[0].endswith(".venv/bin/amp-plus train cnn") and main[1].endswith(".venv/bin/python -m pytest -n auto")
     for plain, cpu in zip(main, cpu_only, strict=True):
         # One line each: the CPU build of torch first, then the same command as the plain one.
         torch_first, rest = cpu.split(" && .venv/bin/pip install -e ", 1)
