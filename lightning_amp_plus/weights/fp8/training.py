@@ -307,7 +307,10 @@ class LayerGuard:
             self._own_forward = None
 
     def place(self, device: torch.device) -> None:
-        """(Re)make the flags and counts on ``device`` (zero) and move the stamp there, unless they are there."""
+        """(Re)make the flags and counts on ``device`` (zero), and move the stamp and the run's clock there.
+
+        Nothing is done when they are there already.
+        """
         if self.flag.device == device and self.flag.ndim == 0:
             return
         self.flag = torch.zeros((), dtype=torch.float32, device=device)
@@ -316,6 +319,8 @@ class LayerGuard:
         self.counts = torch.zeros(self.forward_casts, COLUMNS, dtype=torch.float64, device=device)
         self.count_sink = torch.zeros(len(self.casts), COLUMNS, dtype=torch.float64, device=device, requires_grad=True)
         self.stamp = self.stamp.to(device)
+        if self.run is not None:
+            self.run.clock = self.run.clock.to(device)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The layer's forward: torchao's, its input and output flagged (and counted on check steps) on the way."""
@@ -329,9 +334,7 @@ class LayerGuard:
         given = args[0] if args else kwargs.get("input")
         if run is not None and isinstance(given, Tensor):
             if self.flag.device != given.device:
-                # Moved since the conversion (a plugin's step has them placed beforehand); the clock goes along.
-                self.place(given.device)
-                run.clock = run.clock.to(given.device)
+                self.place(given.device)  # moved since the conversion (a plugin's step has them placed beforehand)
             if run.reading or run.ordering:
                 self._stamp(run)
         value = input_as_cast(given, every_device=True) if self.cast_every_device else given
@@ -616,8 +619,6 @@ class FP8Training:
         for name, guard in self._guards.items():
             guard.place(self._layers[name].weight.device)
             self._run.device = guard.flag.device
-        if self._run.device is not None:
-            self._run.clock = self._run.clock.to(self._run.device)
 
     def after_step(
         self,
