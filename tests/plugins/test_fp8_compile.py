@@ -190,7 +190,7 @@ def fabric_loop_block_by_block(ours: bool) -> tuple[nn.Module, dict[str, int], A
         return model, compiled(), plugin
 
 
-@pytest.mark.integration  # 20 s on 2 shared cores
+@pytest.mark.integration  # 25-28 s on 2 shared cores
 def test_compiled_block_by_block_the_blocks_share_their_graphs_and_equal_torchao_bit_for_bit() -> None:
     # Before, each layer's hooks noted its place in the forward order when dynamo traced them, and its forward hook ran
     # even when the forward raised: dynamo guarded both on the layer, each block compiled two graphs of its own, and

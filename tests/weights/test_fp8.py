@@ -27,6 +27,7 @@ torchao_float8 = pytest.importorskip("torchao.float8", reason="FP8 training need
 litgpt = pytest.importorskip("litgpt", reason="the reference model is litgpt's GPT")
 
 from fp8_models import CONFIG, LINEARS, gpt, torchao_reference  # noqa: E402
+from helpers import host_reads  # noqa: E402
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: E402
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 
@@ -168,16 +169,15 @@ def test_hooks_buffers_attributes_and_mode_of_a_linear_are_carried_over() -> Non
 def test_a_deep_copy_of_a_converted_model_runs_its_own_layers() -> None:
     # A converted layer's forward is a method of its guard, which holds the layer: a copy (torch's AveragedModel, an EMA
     # callback's) must run its own layers on its own weights, not the original's.
+    def halve(model: nn.Module) -> nn.Module:
+        with torch.no_grad():
+            torch._foreach_mul_(list(model.parameters()), 0.5)
+        return model
+
     model = gpt()
     FP8Training().convert(model)
-    twin = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in twin.parameters():
-            parameter.mul_(0.5)
-    expected = gpt()
-    with torch.no_grad():
-        for parameter in expected.parameters():
-            parameter.mul_(0.5)
+    twin = halve(copy.deepcopy(model))
+    expected = halve(gpt())
     FP8Training().convert(expected)
     assert torch.equal(loss_of(twin, 0), loss_of(expected, 0))
     assert not torch.equal(loss_of(twin, 0), loss_of(model, 0))  # premise: the halved weights change the loss
@@ -434,6 +434,23 @@ def test_no_reading_outside_check_steps_and_no_hook_added_or_removed_for_one() -
     assert hooks() == before
     loss_of(model, 1).backward()  # not a check step
     assert fp8.finish_check().readings == []
+
+
+def test_the_first_check_step_reads_the_forward_order_once_while_a_layer_never_runs() -> None:
+    # Step 0 is both a check step and the first after the conversion: its readings and the layers' places in the
+    # forward order are read once each. A layer that never runs keeps its place unknown, so a second read of the
+    # places would find something to read (a layer a model holds but does not call: a spare head, a frozen branch).
+    model = nn.ModuleDict({"used": nn.Linear(32, 32), "spare": nn.Linear(32, 32)})
+    fp8 = FP8Training(fallback=None)
+    assert fp8.convert(model) == ["used", "spare"]
+    fp8.before_forward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model["used"](torch.randn(16, 32)).float().square().mean().backward()
+    calls: list[str] = []
+    with host_reads(calls):
+        check = fp8.after_step()
+    assert check is not None and {reading.layer for reading in check.readings} == {"used"}
+    assert calls == ["tolist", "tolist"]  # the places, then the readings' counts
 
 
 # -------------------------------------------------------------------------------------------------------- non-finite

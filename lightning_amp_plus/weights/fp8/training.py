@@ -653,8 +653,8 @@ class FP8Training:
             found = self.finish_check(reduce, warn)
             check = FP8Check(found.readings, found.fell_back, self._steps)
             self.checks.append(check)
-        if self._run.ordering:
-            self._note_positions()  # the first step after a conversion, if not a check step: once
+        elif self._run.ordering:
+            self._note_positions()  # the first step after a conversion, if not a check step (finish_check read them)
         if outcome is not None and (not outcome.resolved or outcome.skipped):
             # A step known to be skipped is read with its weights; one whose fate is on the device, without (a pass
             # over every weight at every step would cost more than the step's flags). A spike the guard skipped is
