@@ -12,9 +12,10 @@ What is measured
       ``pre_backward``, ``_after_closure``, clipping...);
     * ``torch/amp/grad_scaler.py``.
 
-    Code a module generates (a dataclass's ``__init__``) is counted with that module. Comprehensions are not counted
-    (they are not functions a reader follows, and Python 3.12 inlines them). The Trainer's own loop, torch's optimizer
-    and torchao's float8 code are not counted: both sides run them alike.
+    Code a module generates (a dataclass's ``__init__``) is counted with that module, under its class's name (each
+    dataclass's ``__init__`` is a function of its own, though Python names them all alike). Comprehensions are not
+    counted (they are not functions a reader follows, and Python 3.12 inlines them). The Trainer's own loop, torch's
+    optimizer and torchao's float8 code are not counted: both sides run them alike.
 
     Variants: ``16-mixed`` with clipping by norm (``gradient_clip_val=1.0``) against Lightning's ``MixedPrecision`` +
     ``GradScaler``, the same with a fused AdamW, without clipping, ``bf16-mixed``; and ``fp8-mixed`` against torchao's
@@ -109,10 +110,15 @@ class Tracer(pl.Callback):
         if event != "call":
             return
         code = frame.f_code
-        # Generated code (a dataclass's __init__, compiled from a string) is its module's.
-        path = frame.f_globals.get("__file__", "") if code.co_filename.startswith("<") else code.co_filename
-        if path and path.startswith(_ROOTS) and not code.co_qualname.endswith(_COMPREHENSIONS):
-            self.functions[path].add(code.co_qualname)
+        name, path = code.co_qualname, code.co_filename
+        if path.startswith("<"):
+            # Generated code (a dataclass's __init__, compiled from a string) is its module's, named by its class:
+            # every dataclass's __init__ is `__create_fn__.<locals>.__init__`, and two of them are two functions.
+            path = frame.f_globals.get("__file__", "")
+            if code.co_argcount:
+                name = f"{type(frame.f_locals[code.co_varnames[0]]).__qualname__}.{code.co_name}"
+        if path and path.startswith(_ROOTS) and not name.endswith(_COMPREHENSIONS):
+            self.functions[path].add(name)
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if trainer.global_step == _TRACED_STEP:
