@@ -8,22 +8,25 @@ checkpoint state: everything both front ends do, over Fabric's ``Precision`` hoo
 is Fabric's plus the Trainer's ``Precision``. The same settings give the same step on both
 (``tests/plugins/test_parity.py`` trains every option on both, bit for bit).
 
-One optimizer step, on either front end: the loss is scaled before backward (:meth:`~StepEngine.scale_loss`); the
-gradients are unscaled and checked once, where something first needs them unscaled (Fabric's ``clip_gradients``, the
-Trainer's hooks and clipping) or else in the step; :meth:`FabricMixedPrecisionPlugin._step` steps or skips
+One optimizer step, on either front end: the loss is scaled before backward (under fp16, by the scaler's ``scale``);
+the gradients are unscaled and checked once, where something first needs them unscaled (Fabric's ``clip_gradients``,
+the Trainer's hooks and clipping; under fp16 on the Trainer, before the hooks, as Lightning's plugin unscales, unless
+the optimizer unscales in its own kernel) or else in the step; :meth:`FabricMixedPrecisionPlugin._step` steps or skips
 (:meth:`~StepEngine.step`, with bf16 weights' compensated update in place of the optimizer's); the loss scale moves once
 per iteration (:meth:`~StepEngine.update`): after the step on the Trainer, at the next ``backward`` under Fabric (whose
 loop has no end-of-batch hook), so several optimizers stepped after one backward are all unscaled by the scale their
-gradients carry.
+gradients carry. Under fp16 the scaler's ``scale``, ``unscale_``, ``step`` and ``update`` are called where Lightning's
+and Fabric's plugins call their GradScaler's, so that a test counting them counts alike.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -200,7 +203,10 @@ class FabricMixedPrecisionPlugin(FabricMixedPrecision):
         """The loss scaler (``None`` for bf16): ``torch.amp.GradScaler``'s API over this plugin's engine.
 
         Assigning another :class:`~lightning_amp_plus.DynamicLossScaler` makes it scale, check and update from then
-        on; the plugin's optimizers, names, ranks, held schedulers and recent results carry over to it.
+        on; the plugin's optimizers, names, ranks, held schedulers and recent results carry over to it. Under fp16 the
+        plugin calls its ``scale``, ``unscale_``, ``step`` and ``update`` where Lightning's plugin calls its
+        GradScaler's, so ``mock.patch.object(plugin.scaler, ...)`` or ``plugin.scaler = Mock(wraps=plugin.scaler)``
+        (Lightning's own tests do both) counts the same calls.
         """
         return self._scaler
 
@@ -214,9 +220,10 @@ class FabricMixedPrecisionPlugin(FabricMixedPrecision):
                 f"{where}: fp16 needs a loss scaler (its gradients would underflow unscaled). Assign a "
                 "lightning_amp_plus.DynamicLossScaler, e.g. DynamicLossScaler(init_scale=2.0**12)."
             )
-        checked = _checked_scaler(self.settings, scaler, where)
-        checked.engine.take_over(self.engine)
-        self._scaler, self.engine = checked, checked.engine
+        checked = _checked_scaler(self.settings, _wrapped(scaler), where)
+        if checked.engine is not self.engine:  # the same scaler again (or wrapped by a Mock): nothing to take over
+            checked.engine.take_over(self.engine)
+        self._scaler, self.engine = scaler, checked.engine
 
     @property
     def skipped_steps(self) -> int:
@@ -381,7 +388,9 @@ class FabricMixedPrecisionPlugin(FabricMixedPrecision):
     def backward(self, tensor: Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         _refuse_deepspeed(self._name(), model, "Fabric")  # under DeepSpeed, Fabric hands the engine here
         self._end_iteration()  # the steps since the last backward are over: the scale moves once for them
-        self.engine.scale_loss(tensor).backward(*args, **kwargs)  # type: ignore[no-untyped-call]
+        # Through the scaler, as Fabric's plugin scales with its GradScaler: a test patching `scaler.scale` counts it.
+        scaled = tensor if self._scaler is None else self._scaler.scale(tensor)
+        scaled.backward(*args, **kwargs)  # type: ignore[no-untyped-call]
 
     @override
     def unscale_gradients(self, optimizer: Optimizer) -> None:
@@ -389,6 +398,8 @@ class FabricMixedPrecisionPlugin(FabricMixedPrecision):
         # would turn inf into the clip value). Fused optimizers too: their step then takes the unscale path.
         self._first_step(optimizer)
         self._begin(optimizer)
+        if self._scaler is not None:
+            self._scaler.unscale_(optimizer)  # as Fabric's plugin unscales: a test patching `scaler.unscale_` counts it
         # Read now: a spike guard judges (and clips) before the clip that follows, and the non-finite gradients are
         # named before a clip by value makes them finite. The step's one host read, as later in the step.
         self.engine.unscale(optimizer, read=True)
@@ -677,7 +688,8 @@ class MixedPrecisionPlugin(TrainerMixedPrecision, FabricMixedPrecisionPlugin):  
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         # Hooks see the true loss; only backward sees the scaled one. Lightning's base hook by name: in the FSDP
         # plugin the next base is Lightning's FSDPPrecision, whose pre_backward would scale the loss a second time.
-        return self.engine.scale_loss(TrainerPrecision.pre_backward(self, tensor, module))
+        loss = TrainerPrecision.pre_backward(self, tensor, module)
+        return loss if self._scaler is None else self._scaler.scale(loss)  # through the scaler, as Lightning's plugin
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -695,7 +707,12 @@ class MixedPrecisionPlugin(TrainerMixedPrecision, FabricMixedPrecisionPlugin):  
             self._after_closure(model, optimizer)
             self.engine.discard(optimizer)
             return None
-        if self._read_before_step:
+        if self._scaler is not None and (self._read_before_step or not _unscales_in_its_step(optimizer)):
+            # As Lightning's plugin calls its GradScaler: before the hooks, unless the optimizer unscales in its own
+            # kernel (and here: nothing reads the gradients first). A test counting `scaler.unscale_` counts the same,
+            # the scaler patched or wrapped (a Mock wrapping it does not see the call the scaler's step would make).
+            self._scaler.unscale_(optimizer)
+        elif self._read_before_step:
             self.engine.unscale(optimizer)  # the hooks and the clipping see unscaled, checked gradients
         self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
         output = self._step(optimizer, **kwargs)
@@ -761,10 +778,11 @@ def _engine(name: str, settings: Settings, scaler: object) -> tuple[StepEngine, 
     """
     if scaler is not None or settings.precision == "16-mixed":
         where = f"`{name}(precision={settings.precision!r}, scaler={scaler!r})`"
-        checked = _checked_scaler(settings, scaler, where)
+        checked = _checked_scaler(settings, _wrapped(scaler), where)
         if settings.spike_guard is not None:  # the scaler's engine judges the norms: a scaler replaced takes it over
             checked.engine.guard_spikes(settings.spike_guard)
-        return checked.engine, checked
+        # A Mock wrapping the scaler (Lightning's tests wrap one) is called in its place: see _wrapped.
+        return checked.engine, checked if scaler is None else cast(DynamicLossScaler, scaler)
     engine = StepEngine(
         None,
         check=settings.skip_nonfinite,
@@ -772,6 +790,21 @@ def _engine(name: str, settings: Settings, scaler: object) -> tuple[StepEngine, 
         spike_guard=settings.spike_guard,
     )
     return engine, None
+
+
+def _wrapped(scaler: object) -> object:
+    """The scaler a ``unittest.mock`` wrapper wraps (``Mock(wraps=plugin.scaler)``), else ``scaler`` itself.
+
+    Lightning's own tests wrap a plugin's scaler so to count its calls (``test_skip_training_step_with_grad_scaler``):
+    the plugin then calls the wrapper, whose calls reach the wrapped scaler, and steps with that scaler's engine
+    (tests/plugins/test_one_plugin.py, ``test_the_scaler_is_called_as_lightnings_plugin_calls_its_grad_scaler``).
+    """
+    mocks = sys.modules.get("unittest.mock")  # not imported: no Mock exists
+    if mocks is not None and isinstance(scaler, mocks.NonCallableMock):
+        wrapped = scaler._mock_wraps  # unittest.mock names what a Mock wraps only here
+        if isinstance(wrapped, DynamicLossScaler):
+            return wrapped
+    return scaler
 
 
 def _checked_scaler(settings: Settings, scaler: object, where: str) -> DynamicLossScaler:
@@ -821,6 +854,11 @@ def _refuse_deepspeed(name: str, model: object, framework: str) -> None:
             f"{name} cannot run under DeepSpeed: its engine does its own mixed precision and loss scaling. Use "
             f"{framework}(strategy='deepspeed', precision='16-mixed' or 'bf16-mixed') without this plugin."
         )
+
+
+def _unscales_in_its_step(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` can unscale in its own kernel (torch's fused ones): GradScaler's test, and Lightning's."""
+    return bool(getattr(getattr(optimizer, "optimizer", optimizer), "_step_supports_amp_scaling", False))
 
 
 def _read_before_step(module: nn.Module) -> bool:

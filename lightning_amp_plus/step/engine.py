@@ -803,8 +803,18 @@ class StepEngine:
             _grads.clip_by_norm_(now.grads if ranks is None else ranks.local(now.grads), now.coefficient)
         return now.grad_norm
 
-    def step(self, optimizer: Optimizer, apply: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+    def step(
+        self,
+        optimizer: Optimizer,
+        apply: Callable[[], Any] | None = None,
+        *,
+        unscale: Callable[[Optimizer], None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
         """Step ``optimizer`` (or run ``apply`` in its place) unless its gradients hold inf/NaN; record the result.
+
+        Gradients not unscaled yet are unscaled and checked here (by ``unscale``, if given: a scaler's ``unscale_``,
+        which GradScaler's step calls so), unless the optimizer takes the fused path and unscales in its own kernel.
 
         Returns:
             What the step returned, or ``None`` when it was skipped on the host.
@@ -827,9 +837,14 @@ class StepEngine:
             guarded = self.gradients.spike_guards is not None
             if apply is None and slot.fused is not False and slot.takes_fused_path(guarded):
                 return self._step_fused(slot, optimizer, kwargs)
-            now = slot.now = self.gradients.unscale(optimizer, by_one=False)
-            if self._norms_read:
-                now.norm = _grads.global_norm(now.grads, now.found.device, self.gradients.ranks)
+            if unscale is not None:
+                unscale(optimizer)  # the caller's (a scaler's unscale_, which calls self.unscale) makes the pass
+                now = slot.now
+                assert now is not None
+            else:
+                now = slot.now = self.gradients.unscale(optimizer, by_one=False)
+                if self._norms_read:
+                    now.norm = _grads.global_norm(now.grads, now.found.device, self.gradients.ranks)
         elif now.stage is Stage.STEPPED:
             raise RuntimeError("`step()` was already called for this optimizer: call `update()` first.")
         if self.log.pending.entries:

@@ -222,7 +222,8 @@ class DynamicLossScaler:
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Step ``optimizer`` unless its gradients hold inf/NaN; a skipped step leaves parameters and state untouched.
 
-        Disabled, ``optimizer.step(*args, **kwargs)``.
+        As GradScaler's, it calls :meth:`unscale_` first if nothing did this iteration, unless the step takes the fused
+        path (the optimizer unscales in its own kernel). Disabled, ``optimizer.step(*args, **kwargs)``.
 
         Returns:
             What ``optimizer.step`` returned, or ``None`` when the step was skipped on the host.
@@ -238,7 +239,8 @@ class DynamicLossScaler:
                 "`DynamicLossScaler.step(optimizer, closure)`: closures are not supported, because the gradients must "
                 "be checked before the step. Run the closure yourself, then call `step(optimizer)`."
             )
-        return self.engine.step(optimizer, **kwargs)
+        # Unscaled, if nothing did, through this instance's unscale_, as GradScaler's step: a patched one sees the call.
+        return self.engine.step(optimizer, unscale=self.unscale_, **kwargs)
 
     def update(self, new_scale: float | Tensor | None = None) -> None:
         """Advance the scale once for everything stepped since the last call; no host read.

@@ -73,8 +73,8 @@ def test_a_16_mixed_step_with_clipping_runs_at_most_2x_the_files_of_lightnings(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="not met: 1.27x (33 functions against 26), docs/design.md says what runs; a pass here means the page's "
-    "bound holds again: drop this mark",
+    reason="not met: 1.35x (35 functions against 26), docs/design.md says what runs; a pass here means the page's "
+    "bound holds: drop this mark",
 )
 def test_a_16_mixed_step_with_clipping_runs_at_most_125x_the_functions_of_lightnings(
     measured: dict[str, tuple[Counts, Counts]],
@@ -103,7 +103,7 @@ def test_what_the_fp8_layers_add_to_an_ordinary_step_is_one_modules_and_the_file
 
 @pytest.mark.xfail(
     strict=True,
-    reason="not met: 2.2x (31 functions against torchao's 14), docs/design.md says what runs; a pass here means the "
+    reason="not met: 2.1x (30 functions against torchao's 14), docs/design.md says what runs; a pass here means the "
     "page's bound holds: drop this mark",
 )
 def test_an_ordinary_fp8_step_runs_at_most_2x_the_functions_of_torchaos_recipe(

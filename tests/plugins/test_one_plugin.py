@@ -6,6 +6,7 @@ Fabric's own plugin, or FP32 arithmetic. Each failed before the change that fixe
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from unittest import mock
 
@@ -13,7 +14,7 @@ import lightning as L
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import host_reads, loader, make_trainer
+from helpers import host_reads, lightning_plugin, loader, make_trainer, our_plugin
 from lightning.fabric.plugins.precision import MixedPrecision as FabricsMixedPrecision
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningsMixedPrecision
@@ -196,6 +197,97 @@ def test_the_scalers_step_can_be_wrapped_with_mock_as_lightnings_tests_do() -> N
         trainer.fit(TwoOptimizers(), loader(n=8 * batches))
     assert step.call_count == 2 * batches
     assert trainer.global_step == 2 * batches
+
+
+SCALER_CALLS = ("scale", "unscale_", "step", "update")  # what Lightning's fp16 plugin calls of its GradScaler
+
+
+class SkipsOddBatches(pl.LightningModule):
+    """Lightning's own skip test's model: ``training_step`` returns ``None`` on odd batches (no backward, no step)."""
+
+    def __init__(self, fused: bool = False) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 2)
+        self.fused = fused
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
+        if batch_idx % 2:
+            return None
+        return self.layer(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.layer.parameters(), lr=0.1, fused=self.fused)
+
+
+def scaler_calls(plugin: Any, how: str, clip: float | None, fused: bool = False) -> dict[str, int]:
+    """The calls of each of the scaler's methods in a fit of 5 batches (3 train), counted as Lightning's tests count."""
+    trainer = make_trainer(plugin, limit_train_batches=5, gradient_clip_val=clip)
+    with contextlib.ExitStack() as stack:
+        if how == "Mock(wraps=scaler)":  # tests_pytorch/plugins/precision/test_amp_integration.py's way
+            plugin.scaler = mock.Mock(wraps=plugin.scaler)
+            counted = {name: getattr(plugin.scaler, name) for name in SCALER_CALLS}
+        else:  # test_manual_optimization.py's way
+            scaler = plugin.scaler
+            counted = {
+                name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name)))
+                for name in SCALER_CALLS
+            }
+        trainer.fit(SkipsOddBatches(fused), loader(n=40))
+    return {name: method.call_count for name, method in counted.items()}
+
+
+RETURNED_NONE = "ignore:`training_step` returned `None`:UserWarning"  # Lightning's warning, on purpose here
+
+
+@pytest.mark.filterwarnings(RETURNED_NONE)
+@pytest.mark.parametrize("how", ["Mock(wraps=scaler)", "patch.object"])
+@pytest.mark.parametrize("clip", [0.5, None], ids=["clipped", "unclipped"])
+def test_the_scaler_is_called_as_lightnings_plugin_calls_its_grad_scaler(how: str, clip: float | None) -> None:
+    # Lightning's skip test wraps the plugin's scaler with Mock(wraps=...) and counts unscale_, step and update: the
+    # plugin scales, unscales before the hooks, steps and updates through its scaler, as Lightning's does.
+    ours = scaler_calls(our_plugin("16-mixed"), how, clip)
+    assert ours == scaler_calls(lightning_plugin("16-mixed"), how, clip) == dict.fromkeys(SCALER_CALLS, 3)
+
+
+@pytest.mark.filterwarnings(RETURNED_NONE)
+def test_a_fused_optimizer_unscales_in_its_step_as_under_lightnings_plugin() -> None:
+    # Lightning calls no unscale_ for an optimizer that unscales in its own kernel; nor does ours (its fused path).
+    ours = scaler_calls(our_plugin("16-mixed"), "patch.object", None, fused=True)
+    theirs = scaler_calls(lightning_plugin("16-mixed"), "patch.object", None, fused=True)
+    assert ours == theirs == {"scale": 3, "unscale_": 0, "step": 3, "update": 3}
+
+
+@pytest.mark.parametrize("clip", [True, False], ids=["clip_gradients", "no-clipping"])
+def test_fabric_scales_and_unscales_through_the_scaler_as_fabrics_own_plugin(clip: bool) -> None:
+    def calls(plugin: Any) -> dict[str, int]:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = plugin.scaler
+        with contextlib.ExitStack() as stack:
+            counted = {
+                name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name)))
+                for name in ("scale", "unscale_", "step")
+            }
+            for x, _ in loader(n=24):
+                fabric.backward(module(x).float().pow(2).mean())
+                if clip:
+                    fabric.clip_gradients(module, optimizer, max_norm=1.0)
+                optimizer.step()  # without clipping, the scaler's step calls unscale_, as GradScaler's does
+                optimizer.zero_grad()
+        return {name: method.call_count for name, method in counted.items()}
+
+    theirs = calls(FabricsMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu")))
+    assert calls(amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu")) == theirs == {"scale": 3, "unscale_": 3, "step": 3}
+
+
+def test_a_bare_mock_is_still_refused_as_a_scaler() -> None:
+    plugin = MixedPrecisionPlugin("16-mixed")
+    with pytest.raises(TypeError, match=r"fp16 needs a lightning_amp_plus.DynamicLossScaler"):
+        plugin.scaler = mock.Mock()
+    with pytest.raises(TypeError, match=r"fp16 needs a lightning_amp_plus.DynamicLossScaler"):
+        plugin.scaler = mock.Mock(wraps=torch.amp.GradScaler("cpu"))
 
 
 @pytest.mark.parametrize("make", [MixedPrecisionPlugin, amp_fabric.MixedPrecisionPlugin], ids=["trainer", "fabric"])

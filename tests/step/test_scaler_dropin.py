@@ -5,11 +5,13 @@ The reference is GradScaler itself: each behaviour is checked on both classes wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import pickle
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -97,6 +99,40 @@ def test_when_disabled_every_method_is_a_pass_through(make: Callable[[], Scaler]
     assert scaler.get_scale() == 1.0 and scaler.state_dict() == {}
     scaler.load_state_dict({"scale": 8.0})  # ignored, as GradScaler ignores it
     assert scaler.get_scale() == 1.0
+
+
+# ----------------------------------------------------------------------------------------- patched on an instance
+CALLS = ("scale", "unscale_", "step", "update")
+
+
+def calls_in_a_loop(scaler: Scaler, unscale: bool, fused: bool) -> dict[str, int]:
+    """Each method's calls in 3 steps of AdamW, counted by ``mock.patch.object`` on the instance."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=fused)
+    with contextlib.ExitStack() as stack:
+        patched = {
+            name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name))) for name in CALLS
+        }
+        for _ in range(3):
+            scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
+            if unscale:  # nanoGPT's loop: unscale_, then torch's clip
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return {name: method.call_count for name, method in patched.items()}
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+@pytest.mark.parametrize("unscale", [False, True], ids=["step-alone", "unscale_-then-step"])
+def test_patched_methods_count_the_calls_they_count_on_grad_scaler(unscale: bool, fused: bool) -> None:
+    # GradScaler's step calls self.unscale_ when nothing did (unless the optimizer unscales in its kernel): a patched
+    # unscale_ sees that call too. Lightning's and users' tests patch these on the instance.
+    ours = calls_in_a_loop(DynamicLossScaler("cpu"), unscale, fused)
+    assert ours == calls_in_a_loop(torch.amp.GradScaler("cpu"), unscale, fused)
+    assert ours["unscale_"] == (0 if fused and not unscale else 3)
 
 
 def test_when_disabled_the_extras_are_pass_throughs_too() -> None:
