@@ -282,6 +282,27 @@ def test_fabric_scales_and_unscales_through_the_scaler_as_fabrics_own_plugin(cli
     assert calls(amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu")) == theirs == {"scale": 3, "unscale_": 3, "step": 3}
 
 
+def test_a_scaler_wrapped_by_mock_at_construction_is_called_and_its_engine_steps() -> None:
+    def fit(plugin: Any, scaler: Any) -> tuple[dict[str, int], Tensor]:
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        model = nn.Linear(8, 2)
+        module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        for x, _ in loader(n=24):
+            fabric.backward(module(x).float().pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+        return {name: getattr(scaler, name).call_count for name in ("scale", "step")}, model.weight.detach()
+
+    ours_scaler = mock.Mock(wraps=DynamicLossScaler(init_scale=1024.0))
+    their_scaler = mock.Mock(wraps=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    plugin = amp_fabric.MixedPrecisionPlugin("16-mixed", "cpu", scaler=ours_scaler)
+    ours, weight = fit(plugin, ours_scaler)
+    theirs, reference = fit(FabricsMixedPrecision("16-mixed", "cpu", scaler=their_scaler), their_scaler)
+    assert plugin.scaler is ours_scaler and ours == theirs == {"scale": 3, "step": 3}
+    torch.testing.assert_close(weight, reference, rtol=0, atol=0)  # the wrapped scaler's engine stepped, as GradScaler
+
+
 def test_a_bare_mock_is_still_refused_as_a_scaler() -> None:
     plugin = MixedPrecisionPlugin("16-mixed")
     with pytest.raises(TypeError, match=r"fp16 needs a lightning_amp_plus.DynamicLossScaler"):
