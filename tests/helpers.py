@@ -7,10 +7,11 @@ import importlib.util
 import sys
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -380,6 +381,18 @@ def host_reads(calls: list[str]) -> Iterator[None]:
     finally:
         for name, original in originals.items():
             setattr(Tensor, name, original)
+
+
+@contextmanager
+def call_counts(instance: object, names: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The named methods of ``instance`` patched on the instance, each counting its calls and running as before.
+
+    ``mock.patch.object(instance, name, wraps=...)``, as Lightning's own tests count a scaler's calls; the mocks are
+    yielded by name (``.call_count``) and removed on exit.
+    """
+    with ExitStack() as stack:
+        patch = mock.patch.object
+        yield {name: stack.enter_context(patch(instance, name, wraps=getattr(instance, name))) for name in names}
 
 
 # ------------------------------------------------------------------------------------------------- downloads

@@ -6,7 +6,6 @@ Fabric's own plugin, or FP32 arithmetic. Each failed before the change that fixe
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 from unittest import mock
 
@@ -14,7 +13,7 @@ import lightning as L
 import lightning.pytorch as pl
 import pytest
 import torch
-from helpers import host_reads, lightning_plugin, loader, make_trainer, our_plugin
+from helpers import call_counts, host_reads, lightning_plugin, loader, make_trainer, our_plugin
 from lightning.fabric.plugins.precision import MixedPrecision as FabricsMixedPrecision
 from lightning.pytorch.plugins.precision import HalfPrecision, Precision
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningsMixedPrecision
@@ -222,16 +221,11 @@ class SkipsOddBatches(pl.LightningModule):
 def scaler_calls(plugin: Any, how: str, clip: float | None, fused: bool = False) -> dict[str, int]:
     """The calls of each of the scaler's methods in a fit of 5 batches (3 train), counted as Lightning's tests count."""
     trainer = make_trainer(plugin, limit_train_batches=5, gradient_clip_val=clip)
-    with contextlib.ExitStack() as stack:
-        if how == "Mock(wraps=scaler)":  # tests_pytorch/plugins/precision/test_amp_integration.py's way
-            plugin.scaler = mock.Mock(wraps=plugin.scaler)
-            counted = {name: getattr(plugin.scaler, name) for name in SCALER_CALLS}
-        else:  # test_manual_optimization.py's way
-            scaler = plugin.scaler
-            counted = {
-                name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name)))
-                for name in SCALER_CALLS
-            }
+    if how == "Mock(wraps=scaler)":  # tests_pytorch/plugins/precision/test_amp_integration.py's way
+        plugin.scaler = mock.Mock(wraps=plugin.scaler)
+        trainer.fit(SkipsOddBatches(fused), loader(n=40))
+        return {name: getattr(plugin.scaler, name).call_count for name in SCALER_CALLS}
+    with call_counts(plugin.scaler, SCALER_CALLS) as counted:  # test_manual_optimization.py's way
         trainer.fit(SkipsOddBatches(fused), loader(n=40))
     return {name: method.call_count for name, method in counted.items()}
 
@@ -264,12 +258,7 @@ def test_fabric_scales_and_unscales_through_the_scaler_as_fabrics_own_plugin(cli
         torch.manual_seed(0)
         model = nn.Linear(8, 2)
         module, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        scaler = plugin.scaler
-        with contextlib.ExitStack() as stack:
-            counted = {
-                name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name)))
-                for name in ("scale", "unscale_", "step")
-            }
+        with call_counts(plugin.scaler, ("scale", "unscale_", "step")) as counted:
             for x, _ in loader(n=24):
                 fabric.backward(module(x).float().pow(2).mean())
                 if clip:

@@ -5,16 +5,15 @@ The reference is GradScaler itself: each behaviour is checked on both classes wh
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import pickle
 from collections.abc import Callable
 from typing import Any
-from unittest import mock
 
 import pytest
 import torch
+from helpers import call_counts
 from torch import nn
 
 from lightning_amp_plus import DynamicLossScaler
@@ -110,10 +109,7 @@ def calls_in_a_loop(scaler: Scaler, unscale: bool, fused: bool) -> dict[str, int
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.AdamW(model.parameters(), fused=fused)
-    with contextlib.ExitStack() as stack:
-        patched = {
-            name: stack.enter_context(mock.patch.object(scaler, name, wraps=getattr(scaler, name))) for name in CALLS
-        }
+    with call_counts(scaler, CALLS) as patched:
         for _ in range(3):
             scaler.scale(model(torch.randn(8, 4)).pow(2).mean()).backward()
             if unscale:  # nanoGPT's loop: unscale_, then torch's clip
